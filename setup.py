@@ -1,0 +1,36 @@
+"""megatron_lev: pre-training stack for Leviathan (LEV input embeddings) language models."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_lev",
+    version="0.1.0",
+    description="Leviathan language models: LEV embedding generator on megatron-core + DeepSpeed",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_lev", "megatron_lev.*"]),
+    # YAML configs live inside the package so an installed package finds them.
+    package_data={"megatron_lev": ["configs/*.yaml", "configs/**/*.yaml", "hf/*.py"]},
+    include_package_data=True,
+    install_requires=[
+        # A range that the cluster's own CUDA build satisfies (and 2.13 CPU here).
+        "torch>=2.4,<3",
+        "megatron-core>=0.16.1,<0.20",
+        "deepspeed>=0.16,<0.20",
+        "numpy>=1.24",
+        "pyyaml>=6",
+        "sentencepiece>=0.2",
+        "tokenizers>=0.19",
+        "zstandard>=0.22",
+        "tensorboard>=2.14",
+    ],
+    extras_require={
+        "hf": ["transformers>=4.45", "safetensors>=0.4"],
+        "eval": ["transformers>=4.45", "safetensors>=0.4", "lm-eval>=0.4.5", "matplotlib>=3.7"],
+        "plots": ["matplotlib>=3.7"],
+        "wandb": ["wandb"],
+        "mpi": ["mpi4py>=3.1"],
+        "test": ["pytest>=8", "transformers>=4.45", "safetensors>=0.4", "matplotlib>=3.7", "lm-eval>=0.4.5"],
+    },
+    entry_points={"console_scripts": ["megatron-lev-train=megatron_lev.train:main"]},
+)

@@ -1,0 +1,82 @@
+"""Launch N gloo ranks on CPU for multi-process tests.
+
+    results = run_distributed(check_fn, world_size=2, args=(...))
+
+`check_fn(rank, world_size, *args)` must be a module-level function (ranks are
+spawned, so they import it). Each rank has torch.distributed initialised (gloo)
+before `check_fn` runs and torn down after. Whatever it returns (tensors included)
+comes back as a list indexed by rank. An exception in any rank fails the caller
+with that rank's traceback. Each launch costs a few seconds of imports, so one
+launch should check several things.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world_size, port, fn, args, out_dir, extra_env):
+    os.environ.update(extra_env)
+    os.environ.update({
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+        "DS_ACCELERATOR": "cpu",
+    })
+    # 2 ranks on 2 cores: one thread each, or they fight over the cores.
+    torch.set_num_threads(1)
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        from megatron_lev import parallel
+
+        parallel.init_distributed(backend="gloo", timeout_minutes=5)
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, path)
+    except BaseException:  # report every failure, SystemExit included
+        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+    finally:
+        from megatron_lev import parallel
+
+        parallel.destroy_parallel()
+
+
+def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 600, env: dict | None = None):
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return per-rank results."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        port = free_port()
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, out_dir, env or {}))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        results, errors = [], []
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"rank{r}.pt")
+            if not os.path.exists(path):
+                errors.append(f"rank {r}: exited with code {procs[r].exitcode} and no result"
+                              + (" (timed out)" if r in hung else ""))
+                results.append(None)
+                continue
+            payload = torch.load(path, weights_only=False)
+            if not payload["ok"]:
+                errors.append(f"rank {r} failed:\n{payload['error']}")
+            results.append(payload.get("result"))
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return results

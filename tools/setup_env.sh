@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment and install the package into it.
+# Used by tools/run_tests.sh and tools/quickstart.sh. Prints the venv's python path last.
+#   VENV=path     where the environment lives (default: <repo>/.venv)
+#   EXTRAS=a,b    package extras to install (default: test)
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${VENV:-$repo/.venv}
+extras=${EXTRAS:-test}
+if [[ ! -x $venv/bin/python ]]; then
+    python3 -m venv "$venv"
+fi
+py=$venv/bin/python
+stamp=$venv/.megatron_lev_installed
+# Reinstall only when setup.py changed (re-runs are fast).
+want="$(sha256sum "$repo/setup.py" | cut -c1-16) $extras"
+if [[ ! -f $stamp || "$(cat "$stamp")" != "$want" ]]; then
+    "$py" -m pip install -q --upgrade pip >&2 2>/dev/null || true
+    # A machine without torch gets the CPU build 2.13 (plain `torch` would pull a multi-GB CUDA build).
+    # A cluster venv that already has its CUDA torch keeps it: setup.py's range accepts it.
+    if ! "$py" -c "import torch" >/dev/null 2>&1; then
+        "$py" -m pip install -q "torch==2.13.0" >&2
+    fi
+    "$py" -m pip install -q -e "$repo[$extras]" >&2
+    echo "$want" > "$stamp"
+fi
+echo "$py"
