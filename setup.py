@@ -26,11 +26,12 @@ setup(
     ],
     extras_require={
         "hf": ["transformers>=4.45", "safetensors>=0.4"],
-        "eval": ["transformers>=4.45", "safetensors>=0.4", "lm-eval>=0.4.5", "matplotlib>=3.7"],
+        "eval": ["transformers>=4.45", "safetensors>=0.4", "lm-eval>=0.4.5", "accelerate>=0.26", "matplotlib>=3.7"],
         "plots": ["matplotlib>=3.7"],
         "wandb": ["wandb"],
         "mpi": ["mpi4py>=3.1"],
-        "test": ["pytest>=8", "transformers>=4.45", "safetensors>=0.4", "matplotlib>=3.7", "lm-eval>=0.4.5"],
+        "test": ["pytest>=8", "transformers>=4.45", "safetensors>=0.4", "matplotlib>=3.7", "lm-eval>=0.4.5",
+                 "accelerate>=0.26"],  # lm-eval's HF model class imports accelerate
     },
     entry_points={"console_scripts": ["megatron-lev-train=megatron_lev.train:main"]},
 )
