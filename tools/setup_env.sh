@@ -21,7 +21,7 @@ if [[ ! -f $stamp || "$(cat "$stamp")" != "$want" ]]; then
     if ! "$py" -c "import torch" >/dev/null 2>&1; then
         "$py" -m pip install -q "torch==2.13.0" >&2
     fi
-    "$py" -m pip install -q -e "$repo[$extras]" >&2
+    "$py" -m pip install -q -e "${repo}[$extras]" >&2
     echo "$want" > "$stamp"
 fi
 echo "$py"

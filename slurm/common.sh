@@ -1,0 +1,331 @@
+# shellcheck shell=bash
+# Shared launch logic for the Slurm scripts in this folder. Sourced, never run.
+#
+#   slurm/train_lev_1b.sh, slurm/train_tied_1b.sh: set CONFIG, source this, call
+#       `launch_training`: one `srun` task per node, each running `torchrun` with c10d
+#       rendezvous over that node's GPUs; the trainer is `python -m megatron_lev.train`.
+#   slurm/preprocess_pile.sh: uses the helpers (die, run_or_print, setup_python_env).
+#
+# Every knob is an environment variable (sbatch exports the submitting shell's
+# environment to the job), listed in README.md "Running on a Slurm cluster".
+#
+# Preemption and the time limit. The training scripts are submitted with
+# `#SBATCH --signal=B:USR1@300`: five minutes before the time limit Slurm sends USR1
+# to the *batch shell* only ("B:"). That is deliberate:
+#   - the batch shell is the one process that must know, because it decides whether to
+#     `scontrol requeue` the job once training has stopped. Without "B:" the signal
+#     goes to the job steps, and the shell would have to guess why the step ended;
+#   - bash runs a trap only between commands, so srun runs in the background and the
+#     shell sits in `wait`, which a trapped signal interrupts at once;
+#   - the trap forwards USR1 to srun, which forwards it to its tasks (Slurm signals
+#     every process of the step: torchrun and, with proctrack/cgroup, the trainer
+#     processes too). torchrun is told to handle USR1 (--signals-to-handle) so it
+#     passes it on to the trainer processes and waits up to SHUTDOWN_TIMEOUT seconds
+#     for them; without that USR1's default action would kill torchrun, and Slurm would
+#     kill the trainers mid-checkpoint when their step's task disappeared;
+#   - the trainer checkpoints at the next step boundary and exits 0 (torchrun itself
+#     then exits non-zero because it was "killed" by a signal: expected, ignored);
+#   - the shell runs `scontrol requeue "$SLURM_JOB_ID"`; the job goes back to the queue
+#     with the same id and, when it starts again, `--load` resumes from `latest`.
+# A real preemption (PreemptMode=REQUEUE) sends SIGTERM to every process instead; the
+# trainer checkpoints on SIGTERM as well, and Slurm requeues the job itself, so the
+# SIGTERM trap only forwards the signal and never requeues (an `scancel` sends SIGTERM
+# too, and must stay cancelled).
+
+die() {
+    echo "slurm: error: $*" >&2
+    exit 1
+}
+
+log() {
+    echo "[slurm $(date '+%Y-%m-%d %H:%M:%S')] $*"
+}
+
+# Print a command exactly: shell-quoted where needed, so it can be pasted into a shell.
+print_cmd() {
+    local arg line=""
+    for arg in "$@"; do
+        if [[ -n $arg && $arg =~ ^[][A-Za-z0-9_@%+=:,./-]+$ ]]; then line+="$arg "; else line+="${arg@Q} "; fi
+    done
+    echo "${line% }"
+}
+
+# Run a command, or print it when DRY_RUN=1.
+run_or_print() {
+    if [[ ${DRY_RUN:-0} == 1 ]]; then
+        print_cmd "$@"
+    else
+        "$@"
+    fi
+}
+
+require_int() {  # require_int NAME VALUE [MIN]
+    [[ $2 =~ ^[0-9]+$ ]] || die "$1=$2 is not a non-negative integer"
+    (($2 >= ${3:-0})) || die "$1=$2 must be >= ${3:-0}"
+}
+
+# Site set-up, then the Python environment. SITE_ENV is a file of site-specific
+# settings (module loads, NCCL network variables: see slurm/site_env.example.sh);
+# VENV is the virtual environment to activate (default: the repository's .venv made by
+# tools/setup_env.sh, when there is one; otherwise whatever python is on PATH).
+setup_python_env() {
+    if [[ -n ${SITE_ENV:-} ]]; then
+        [[ -f $SITE_ENV ]] || die "SITE_ENV=$SITE_ENV: no such file"
+        # shellcheck source=/dev/null
+        source "$SITE_ENV"
+    fi
+    local venv=${VENV:-}
+    if [[ -z $venv && -x $MEGATRON_LEV_DIR/.venv/bin/python ]]; then
+        venv=$MEGATRON_LEV_DIR/.venv
+    fi
+    if [[ -n $venv ]]; then
+        [[ -f $venv/bin/activate ]] || die "VENV=$venv: not a virtual environment (no bin/activate)"
+        # shellcheck source=/dev/null
+        source "$venv/bin/activate"
+    fi
+    command -v python >/dev/null || die "no python on PATH: set VENV, or load your environment in SITE_ENV"
+}
+
+# DATA_PATH is a Megatron blend: "PREFIX", "W1 PREFIX1 W2 PREFIX2 ..." or
+# "PREFIX1 PREFIX2 ...". Every prefix needs PREFIX.bin and PREFIX.idx.
+check_blend() {
+    local name=$1 blend=$2 word
+    local -a words
+    read -r -a words <<<"$blend"
+    ((${#words[@]} > 0)) || die "$name is empty"
+    for word in "${words[@]}"; do
+        [[ $word =~ ^[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$ ]] && continue  # a weight
+        [[ -f $word.bin && -f $word.idx ]] \
+            || die "$name: dataset prefix '$word' has no $word.bin / $word.idx (build it with tools/preprocess_data.py)"
+    done
+}
+
+# Hostnames of the allocation, one per line (placeholders outside Slurm, for DRY_RUN).
+job_hosts() {
+    if [[ -n ${SLURM_JOB_NODELIST:-} ]]; then
+        scontrol show hostnames "$SLURM_JOB_NODELIST"
+    else
+        local i
+        for ((i = 0; i < NODES; i++)); do echo "node$i"; done
+    fi
+}
+
+# Per-GPU defaults. Sizing for the 1.2B configs (README "Running on a Slurm cluster"):
+# with ZeRO-1 the weights, gradients and Adam states of 1.2B parameters take well
+# under 20 GB per GPU at TP=1, so tensor parallelism would only add communication;
+# the micro batch is what the activations at sequence length 2048 allow.
+gpu_defaults() {
+    case $GPU_TYPE in
+        h100) : "${TP:=1}" "${MICRO_BATCH:=8}" ;;  # 80 GB HBM3
+        h200) : "${TP:=1}" "${MICRO_BATCH:=8}" ;;  # 141 GB HBM3e
+        a100) : "${TP:=1}" "${MICRO_BATCH:=4}" ;;  # 80 GB (use MICRO_BATCH=2 on 40 GB cards)
+        *) die "GPU_TYPE=$GPU_TYPE: expected a100, h100 or h200" ;;
+    esac
+    : "${PP:=1}"
+}
+
+# NCCL / CUDA defaults that are right on any cluster. Each can be overridden from the
+# environment. Network settings (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, FI_PROVIDER, ...)
+# are SITE-SPECIFIC and belong in SITE_ENV, never here.
+export_runtime_env() {
+    # Megatron's TP/SP communication overlap relies on kernels launching in issue order.
+    export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+    # A failed or hung collective aborts the job instead of hanging until the time limit.
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+    # Fewer cudaMalloc retries and less fragmentation with variable activation sizes.
+    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+    export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+    export PYTHONUNBUFFERED=1
+    export TOKENIZERS_PARALLELISM=false
+}
+
+# Build the arrays `train_args`, `torchrun_cmd`, `srun_cmd` from the environment.
+build_commands() {
+    local -a data=() valid=() test=() extra=()
+    read -r -a data <<<"$DATA_PATH"
+    read -r -a valid <<<"${VALID_DATA_PATH:-}"
+    read -r -a test <<<"${TEST_DATA_PATH:-}"
+    train_args=(--config "$CONFIG")
+    if ((${#valid[@]} + ${#test[@]} == 0)); then
+        train_args+=(--data-path "${data[@]}")  # train/valid/test split by --split
+    else
+        train_args+=(--train-data-path "${data[@]}")
+        ((${#valid[@]} == 0)) || train_args+=(--valid-data-path "${valid[@]}")
+        ((${#test[@]} == 0)) || train_args+=(--test-data-path "${test[@]}")
+    fi
+    train_args+=(
+        --tokenizer-type "$TOKENIZER_TYPE"
+        --tokenizer-model "$TOKENIZER_MODEL"
+        --tensor-model-parallel-size "$TP"
+        --pipeline-model-parallel-size "$PP"
+        --micro-batch-size "$MICRO_BATCH"
+    )
+    [[ -n ${GLOBAL_BATCH:-} ]] && train_args+=(--global-batch-size "$GLOBAL_BATCH")
+    [[ -n ${TRAIN_TOKENS:-} ]] && train_args+=(--train-tokens "$TRAIN_TOKENS")
+    [[ -n ${TRAIN_ITERS:-} ]] && train_args+=(--train-iters "$TRAIN_ITERS")
+    train_args+=(
+        --save "$CHECKPOINT_DIR"
+        --load "$CHECKPOINT_DIR"  # empty on the first run: starts fresh; resumes after a requeue
+        --save-interval "$SAVE_INTERVAL"
+        --log-interval "$LOG_INTERVAL"
+        --tensorboard-dir "$TENSORBOARD_DIR"
+        --deepspeed-config "$DEEPSPEED_CONFIG"
+        --gpu-type "$GPU_TYPE"
+    )
+    if [[ $BF16 == 1 ]]; then train_args+=(--bf16); else train_args+=(--no-bf16); fi
+    read -r -a extra <<<"${EXTRA_ARGS:-}"
+    train_args+=("${extra[@]}")
+
+    torchrun_cmd=(
+        torchrun
+        --nnodes "$NODES"
+        --nproc-per-node "$GPUS_PER_NODE"
+        --rdzv-backend c10d
+        --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
+        --rdzv-id "$JOB_ID"
+        --max-restarts 0  # restarts are Slurm's job (requeue), not torchrun's
+        --signals-to-handle "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+        --shutdown-timeout "$SHUTDOWN_TIMEOUT"
+        -m megatron_lev.train
+        "${train_args[@]}"
+    )
+    srun_cmd=(
+        srun
+        --nodes "$NODES"
+        --ntasks "$NODES"
+        --ntasks-per-node 1
+        --kill-on-bad-exit=1
+        --output "$JOB_LOG_DIR/restart${RESTART}-node%n.log"
+    )
+    # Since Slurm 22.05 a step no longer inherits --cpus-per-task: give torchrun the node.
+    [[ -n ${SLURM_CPUS_ON_NODE:-} ]] && srun_cmd+=(--cpus-per-task "$SLURM_CPUS_ON_NODE")
+    srun_cmd+=("${torchrun_cmd[@]}")
+}
+
+print_dry_run() {
+    local i=0 host
+    echo "# DRY_RUN=1: nothing was launched. Environment exported to every task:"
+    local var
+    for var in CUDA_DEVICE_MAX_CONNECTIONS TORCH_NCCL_ASYNC_ERROR_HANDLING PYTORCH_CUDA_ALLOC_CONF \
+        NCCL_DEBUG PYTHONUNBUFFERED TOKENIZERS_PARALLELISM; do
+        echo "export $var=${!var@Q}"
+    done
+    echo "# The batch shell runs (one task per node, logs in $JOB_LOG_DIR):"
+    print_cmd "${srun_cmd[@]}"
+    for host in "${HOSTS[@]}"; do
+        echo "# node $i ($host) runs:"
+        print_cmd "${torchrun_cmd[@]}"
+        i=$((i + 1))
+    done
+}
+
+# Signal handling (see the top of this file).
+_on_usr1() {
+    log "USR1: the time limit is near; asking the trainer to checkpoint and exit, then requeueing"
+    REQUEUE=1
+    if [[ -n ${STEP_PID:-} ]]; then kill -USR1 "$STEP_PID" 2>/dev/null || true; fi
+}
+
+_on_term() {
+    log "TERM: forwarding to the job step (no requeue: Slurm requeues preempted jobs itself)"
+    TERMINATED=1
+    if [[ -n ${STEP_PID:-} ]]; then kill -TERM "$STEP_PID" 2>/dev/null || true; fi
+}
+
+latest_iteration() {
+    if [[ -f $CHECKPOINT_DIR/latest ]]; then cat "$CHECKPOINT_DIR/latest"; else echo "none"; fi
+}
+
+launch_training() {
+    setup_python_env
+    [[ -n ${CONFIG:-} ]] || die "CONFIG is not set (the sbatch script sets it)"
+    [[ -n ${DATA_PATH:-} ]] || die "DATA_PATH is not set: export DATA_PATH=\"PREFIX\" or a blend \"W1 PREFIX1 W2 PREFIX2\" (tools/make_blend.py prints one)"
+    [[ -n ${TOKENIZER_MODEL:-} ]] || die "TOKENIZER_MODEL is not set: export TOKENIZER_MODEL=/path/to/tokenizer.model (or a Hugging Face tokenizer directory)"
+    [[ -e $TOKENIZER_MODEL ]] || die "TOKENIZER_MODEL=$TOKENIZER_MODEL: no such file or directory"
+    check_blend DATA_PATH "$DATA_PATH"
+    [[ -z ${VALID_DATA_PATH:-} ]] || check_blend VALID_DATA_PATH "$VALID_DATA_PATH"
+    [[ -z ${TEST_DATA_PATH:-} ]] || check_blend TEST_DATA_PATH "$TEST_DATA_PATH"
+
+    : "${GPU_TYPE:=h100}"
+    gpu_defaults
+    : "${NODES:=${SLURM_JOB_NUM_NODES:-1}}"
+    : "${GPUS_PER_NODE:=${SLURM_GPUS_ON_NODE:-8}}"
+    : "${TOKENIZER_TYPE:=SentencePieceTokenizer}"
+    : "${CHECKPOINT_DIR:=$MEGATRON_LEV_DIR/checkpoints/$CONFIG}"
+    : "${TENSORBOARD_DIR:=$CHECKPOINT_DIR/tensorboard}"
+    : "${DEEPSPEED_CONFIG:=$MEGATRON_LEV_DIR/deepspeed_configs/zero1.json}"
+    : "${SAVE_INTERVAL:=1000}" "${LOG_INTERVAL:=10}" "${BF16:=1}"
+    : "${SHUTDOWN_TIMEOUT:=240}" "${MAX_REQUEUES:=50}"
+    : "${LOG_ROOT:=$MEGATRON_LEV_DIR/logs}"
+    for var in NODES GPUS_PER_NODE TP PP MICRO_BATCH SAVE_INTERVAL LOG_INTERVAL SHUTDOWN_TIMEOUT; do
+        require_int "$var" "${!var}" 1
+    done
+    require_int MAX_REQUEUES "$MAX_REQUEUES"
+    [[ -z ${GLOBAL_BATCH:-} ]] || require_int GLOBAL_BATCH "$GLOBAL_BATCH" 1
+    [[ -z ${TRAIN_TOKENS:-} || -z ${TRAIN_ITERS:-} ]] || die "set TRAIN_TOKENS or TRAIN_ITERS, not both"
+    [[ $BF16 == 0 || $BF16 == 1 ]] || die "BF16=$BF16: expected 0 or 1"
+    [[ -f $DEEPSPEED_CONFIG ]] || die "DEEPSPEED_CONFIG=$DEEPSPEED_CONFIG: no such file"
+    local world=$((NODES * GPUS_PER_NODE))
+    ((world % (TP * PP) == 0)) \
+        || die "TP=$TP x PP=$PP must divide the $world GPUs (NODES=$NODES x GPUS_PER_NODE=$GPUS_PER_NODE)"
+
+    if [[ -n ${SLURM_JOB_NUM_NODES:-} && $NODES != "$SLURM_JOB_NUM_NODES" ]]; then
+        die "NODES=$NODES but the allocation has $SLURM_JOB_NUM_NODES nodes: submit with sbatch --nodes=$NODES"
+    fi
+    if [[ -z ${SLURM_JOB_ID:-} && ${DRY_RUN:-0} != 1 ]]; then
+        die "not inside a Slurm job: submit with sbatch (or run with DRY_RUN=1 to print the commands)"
+    fi
+
+    JOB_ID=${SLURM_JOB_ID:-0}
+    RESTART=${SLURM_RESTART_COUNT:-0}
+    JOB_LOG_DIR=$LOG_ROOT/${SLURM_JOB_NAME:-$CONFIG}-$JOB_ID
+    mapfile -t HOSTS < <(job_hosts)
+    ((${#HOSTS[@]} >= NODES)) || die "the allocation lists ${#HOSTS[@]} hosts, fewer than NODES=$NODES"
+    : "${MASTER_ADDR:=${HOSTS[0]}}"
+    # The same job id gives the same port after a requeue; different jobs sharing a
+    # node get different ports (same formula as megatron_lev.parallel.detect_launch_env).
+    : "${MASTER_PORT:=$((10000 + JOB_ID % 50000))}"
+    export_runtime_env
+    build_commands
+
+    if [[ ${DRY_RUN:-0} == 1 ]]; then
+        print_dry_run
+        return 0
+    fi
+
+    mkdir -p "$JOB_LOG_DIR" "$CHECKPOINT_DIR"
+    REQUEUE=0 TERMINATED=0 STEP_PID=
+    trap _on_usr1 USR1
+    trap _on_term TERM
+    {
+        log "job $JOB_ID restart $RESTART on ${HOSTS[*]:0:NODES}; resuming from checkpoint: $(latest_iteration)"
+        echo "srun command: $(print_cmd "${srun_cmd[@]}")"
+    } | tee -a "$JOB_LOG_DIR/launch.log"
+
+    local rc=0
+    if ((REQUEUE == 0 && TERMINATED == 0)); then  # a signal may arrive before the launch
+        # In the background so that the traps run while the step is running; stdin
+        # from /dev/null so srun does not hold the batch shell's.
+        "${srun_cmd[@]}" </dev/null &
+        STEP_PID=$!
+        wait "$STEP_PID" || rc=$?
+        # `wait` returns >128 when a trapped signal interrupts it: the step is still
+        # running (now checkpointing), so wait again until it has really exited.
+        while ((rc > 128)) && kill -0 "$STEP_PID" 2>/dev/null; do
+            rc=0
+            wait "$STEP_PID" || rc=$?
+        done
+    fi
+    log "job step exited with status $rc; latest checkpoint: $(latest_iteration)" | tee -a "$JOB_LOG_DIR/launch.log"
+
+    if ((REQUEUE == 1 && TERMINATED == 0)); then
+        if ((RESTART >= MAX_REQUEUES)); then
+            log "not requeueing: restart $RESTART reached MAX_REQUEUES=$MAX_REQUEUES" | tee -a "$JOB_LOG_DIR/launch.log"
+            exit 1
+        fi
+        log "requeueing job $JOB_ID" | tee -a "$JOB_LOG_DIR/launch.log"
+        scontrol requeue "$JOB_ID"
+        exit 0
+    fi
+    exit "$rc"
+}
