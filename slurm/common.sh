@@ -65,9 +65,10 @@ require_int() {  # require_int NAME VALUE [MIN]
 }
 
 # Site set-up, then the Python environment. SITE_ENV is a file of site-specific
-# settings (module loads, NCCL network variables: see slurm/site_env.example.sh);
-# VENV is the virtual environment to activate (default: the repository's .venv made by
-# tools/setup_env.sh, when there is one; otherwise whatever python is on PATH).
+# settings (module loads, NCCL network variables: see slurm/site_env.example.sh).
+# VENV is the virtual environment to activate. Without it: the environment active
+# when the job was submitted (sbatch exports it), else the repository's .venv made by
+# tools/setup_env.sh, else whatever python is on PATH.
 setup_python_env() {
     if [[ -n ${SITE_ENV:-} ]]; then
         [[ -f $SITE_ENV ]] || die "SITE_ENV=$SITE_ENV: no such file"
@@ -75,7 +76,7 @@ setup_python_env() {
         source "$SITE_ENV"
     fi
     local venv=${VENV:-}
-    if [[ -z $venv && -x $MEGATRON_LEV_DIR/.venv/bin/python ]]; then
+    if [[ -z $venv && -z ${VIRTUAL_ENV:-} && -z ${CONDA_PREFIX:-} && -x $MEGATRON_LEV_DIR/.venv/bin/python ]]; then
         venv=$MEGATRON_LEV_DIR/.venv
     fi
     if [[ -n $venv ]]; then

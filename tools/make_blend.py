@@ -48,7 +48,10 @@ def token_count(prefix: str) -> int:
     """Tokens in one indexed dataset: the sum of its sequence lengths (read from the .idx)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    return int(IndexedDataset(prefix).sequence_lengths.sum(dtype="int64"))
+    # Keep the dataset referenced while summing: its lengths are a view of an mmap that
+    # the dataset closes when it is collected.
+    dataset = IndexedDataset(prefix)
+    return int(dataset.sequence_lengths.sum(dtype="int64"))
 
 
 def make_blend(prefixes: list[str], weighting: str = "tokens") -> str:

@@ -1,0 +1,240 @@
+"""The Slurm scripts in slurm/: lint, dry runs, clear failures, the blend helper, and a real
+1-node 2-process CPU run of slurm/train_lev_1b.sh through srun/scontrol shims
+(tests/slurm_shims/), including USR1 -> checkpoint -> requeue -> resume."""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM = REPO / "slurm"
+SHIMS = Path(__file__).resolve().parent / "slurm_shims"
+
+# Knobs the scripts read; a developer's or CI's own values must not leak into the tests.
+SCRIPT_VARS = (
+    "NODES GPUS_PER_NODE GPU_TYPE TP PP MICRO_BATCH GLOBAL_BATCH TRAIN_TOKENS TRAIN_ITERS CONFIG "
+    "DATA_PATH VALID_DATA_PATH TEST_DATA_PATH TOKENIZER_TYPE TOKENIZER_MODEL CHECKPOINT_DIR "
+    "TENSORBOARD_DIR DEEPSPEED_CONFIG SAVE_INTERVAL LOG_INTERVAL BF16 EXTRA_ARGS DRY_RUN LOG_ROOT "
+    "SITE_ENV VENV MAX_REQUEUES SHUTDOWN_TIMEOUT MASTER_ADDR MASTER_PORT MEGATRON_LEV_DIR "
+    "PILE_DIR OUTPUT_DIR WORKERS FORCE"
+).split()
+
+
+def script_env(**overrides) -> dict:
+    """The environment a batch script sees: no Slurm job unless the test says so, the shims
+    first on PATH, this interpreter's environment active."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in SCRIPT_VARS}
+    env["PATH"] = os.pathsep.join([str(SHIMS), str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["VIRTUAL_ENV"] = sys.prefix
+    env.update({k: str(v) for k, v in overrides.items()})
+    return env
+
+
+def run_script(script: str, timeout: float = 60, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SLURM / script)], env=script_env(**env), cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def flag(tokens: list[str], name: str) -> list[str]:
+    """The values after `name` in a command line, up to the next --flag."""
+    i = tokens.index(name)
+    values = []
+    for tok in tokens[i + 1:]:
+        if tok.startswith("--"):
+            break
+        values.append(tok)
+    return values
+
+
+@pytest.fixture()
+def fake_inputs(tmp_path):
+    """Files that satisfy the scripts' existence checks (dry runs never read them)."""
+    for name in ("pile_00_text_document", "pile_01_text_document"):
+        for suffix in (".bin", ".idx"):
+            (tmp_path / (name + suffix)).touch()
+    (tmp_path / "tokenizer.model").touch()
+    a, b = tmp_path / "pile_00_text_document", tmp_path / "pile_01_text_document"
+    return {"DATA_PATH": f"0.25 {a} 0.75 {b}", "TOKENIZER_MODEL": str(tmp_path / "tokenizer.model"),
+            "CHECKPOINT_DIR": str(tmp_path / "check points"), "LOG_ROOT": str(tmp_path / "logs"),
+            "prefixes": [str(a), str(b)]}
+
+
+def test_shellcheck_clean():
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.fail("shellcheck is not installed: `bash tools/run_tests.sh` installs it "
+                    "(apt-get install shellcheck)")
+    scripts = sorted(SLURM.glob("*.sh")) + sorted(SHIMS.iterdir()) + sorted((REPO / "tools").glob("*.sh"))
+    scripts += [REPO / ".ci" / "run"]
+    assert len(scripts) >= 8
+    proc = subprocess.run([shellcheck, "--external-sources", *map(str, scripts)], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_dry_run_prints_each_node_command(fake_inputs):
+    """4 A100 nodes inside an allocation: MASTER_ADDR is the first host, the port comes
+    from the job id, every node runs the same torchrun with the requested sizes."""
+    proc = run_script(
+        "train_lev_1b.sh", DRY_RUN=1, GPU_TYPE="a100", TP=2, PP=2, GLOBAL_BATCH=512,
+        TRAIN_TOKENS="2.4e10", EXTRA_ARGS="--lr 3e-4 --seq-length 2048",
+        SLURM_JOB_ID=123456, SLURM_JOB_NUM_NODES=4, SLURM_JOB_NODELIST="gpu[07-09,12]",
+        SLURM_JOB_NAME="lev-1.2b", SLURM_CPUS_ON_NODE=96,
+        **{k: v for k, v in fake_inputs.items() if k != "prefixes"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    srun = [shlex.split(l) for l in lines if l.startswith("srun ")]
+    node_headers = [l for l in lines if l.startswith("# node ")]
+    torchruns = [shlex.split(l) for l in lines if l.startswith("torchrun ")]
+    assert len(srun) == 1 and len(torchruns) == 4
+    assert node_headers == ["# node 0 (gpu07) runs:", "# node 1 (gpu08) runs:",
+                            "# node 2 (gpu09) runs:", "# node 3 (gpu12) runs:"]
+    srun, cmd = srun[0], torchruns[0]
+    assert all(t == cmd for t in torchruns)
+    assert srun[srun.index("torchrun"):] == cmd  # srun runs exactly the per-node command
+    srun = srun[:srun.index("torchrun")]
+    assert flag(srun, "--nodes") == ["4"] and flag(srun, "--ntasks-per-node") == ["1"]
+    assert flag(srun, "--cpus-per-task") == ["96"]
+    assert "--kill-on-bad-exit=1" in srun
+    assert flag(srun, "--output") == [f"{fake_inputs['LOG_ROOT']}/lev-1.2b-123456/restart0-node%n.log"]
+    port = 10000 + 123456 % 50000
+    assert flag(cmd, "--nnodes") == ["4"] and flag(cmd, "--nproc-per-node") == ["8"]
+    assert flag(cmd, "--rdzv-backend") == ["c10d"]
+    assert flag(cmd, "--rdzv-endpoint") == [f"gpu07:{port}"]
+    assert "SIGUSR1" in flag(cmd, "--signals-to-handle")[0].split(",")
+    assert flag(cmd, "-m") == ["megatron_lev.train"]
+    assert flag(cmd, "--config") == ["lev-1.2b"]
+    assert flag(cmd, "--tensor-model-parallel-size") == ["2"]
+    assert flag(cmd, "--pipeline-model-parallel-size") == ["2"]
+    assert flag(cmd, "--micro-batch-size") == ["4"]  # the a100 default
+    assert flag(cmd, "--global-batch-size") == ["512"]
+    assert flag(cmd, "--train-tokens") == ["2.4e10"]
+    a, b = fake_inputs["prefixes"]
+    assert flag(cmd, "--data-path") == ["0.25", a, "0.75", b]
+    assert flag(cmd, "--tokenizer-model") == [fake_inputs["TOKENIZER_MODEL"]]
+    # The checkpoint folder has a space: quoting must round-trip.
+    assert flag(cmd, "--save") == flag(cmd, "--load") == [fake_inputs["CHECKPOINT_DIR"]]
+    assert flag(cmd, "--deepspeed-config") == [str(REPO / "deepspeed_configs" / "zero1.json")]
+    assert flag(cmd, "--gpu-type") == ["a100"] and "--bf16" in cmd
+    assert cmd[-4:] == ["--lr", "3e-4", "--seq-length", "2048"]
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS='1'" in lines
+    assert not Path(fake_inputs["CHECKPOINT_DIR"]).exists()  # a dry run creates nothing
+
+
+def test_dry_run_defaults_outside_slurm(fake_inputs):
+    """On a login node: the tied script, H100 defaults, placeholder hosts, separate
+    train/valid datasets."""
+    a, b = fake_inputs["prefixes"]
+    proc = run_script("train_tied_1b.sh", DRY_RUN=1, NODES=2, DATA_PATH=a, VALID_DATA_PATH=b,
+                      TOKENIZER_MODEL=fake_inputs["TOKENIZER_MODEL"], BF16=0)
+    assert proc.returncode == 0, proc.stderr
+    torchruns = [shlex.split(l) for l in proc.stdout.splitlines() if l.startswith("torchrun ")]
+    assert len(torchruns) == 2
+    cmd = torchruns[0]
+    assert flag(cmd, "--config") == ["tied-1.2b"]
+    assert flag(cmd, "--nnodes") == ["2"] and flag(cmd, "--rdzv-endpoint") == ["node0:10000"]
+    assert flag(cmd, "--tensor-model-parallel-size") == ["1"] and flag(cmd, "--micro-batch-size") == ["8"]
+    assert flag(cmd, "--train-data-path") == [a] and flag(cmd, "--valid-data-path") == [b]
+    assert "--data-path" not in cmd and "--no-bf16" in cmd and flag(cmd, "--gpu-type") == ["h100"]
+    assert flag(cmd, "--save") == [str(REPO / "checkpoints" / "tied-1.2b")]
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"DATA_PATH": None}, "DATA_PATH is not set"),
+    ({"TOKENIZER_MODEL": None}, "TOKENIZER_MODEL is not set"),
+    ({"TOKENIZER_MODEL": "/nonexistent/tok.model"}, "TOKENIZER_MODEL=/nonexistent/tok.model: no such file"),
+    ({"DATA_PATH": "0.5 {a} 0.5 /nonexistent/pile_07"}, "dataset prefix '/nonexistent/pile_07' has no"),
+    ({"TP": 3}, "TP=3 x PP=1 must divide the 8 GPUs"),
+    ({"GPU_TYPE": "v100"}, "GPU_TYPE=v100: expected a100, h100 or h200"),
+    ({"MICRO_BATCH": "four"}, "MICRO_BATCH=four is not a non-negative integer"),
+    ({"TRAIN_ITERS": 10, "TRAIN_TOKENS": 1000}, "set TRAIN_TOKENS or TRAIN_ITERS, not both"),
+    ({"NODES": 2, "SLURM_JOB_NUM_NODES": 4, "SLURM_JOB_ID": 7, "SLURM_JOB_NODELIST": "n[1-4]"},
+     "NODES=2 but the allocation has 4 nodes"),
+    ({"DRY_RUN": None}, "not inside a Slurm job"),
+])
+def test_clear_errors(fake_inputs, env, message):
+    base = {k: v for k, v in fake_inputs.items() if k != "prefixes"}
+    base["DRY_RUN"] = 1
+    for key, value in env.items():
+        if value is None:
+            base.pop(key, None)
+        else:
+            base[key] = str(value).format(a=fake_inputs["prefixes"][0])
+    proc = run_script("train_lev_1b.sh", **base)
+    assert proc.returncode == 1
+    assert message in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1  # one line
+
+
+def test_preprocess_pile_dry_run(tmp_path, fake_inputs):
+    pile = tmp_path / "pile"
+    (pile / "train").mkdir(parents=True)
+    for i in range(30):
+        (pile / "train" / f"{i:02d}.jsonl.zst").touch()
+    (pile / "val.jsonl.zst").touch()
+    (pile / "test.jsonl.zst").touch()
+    out = tmp_path / "tok"
+    env = {"PILE_DIR": pile, "OUTPUT_DIR": out, "TOKENIZER_MODEL": fake_inputs["TOKENIZER_MODEL"], "DRY_RUN": 1}
+
+    proc = run_script("preprocess_pile.sh", **env)  # no array task: all 32 commands
+    assert proc.returncode == 0, proc.stderr
+    cmds = [shlex.split(l) for l in proc.stdout.splitlines()]
+    assert len(cmds) == 32
+    assert [flag(c, "--input")[0] for c in cmds] == (
+        [f"{pile}/train/{i:02d}.jsonl.zst" for i in range(30)] + [f"{pile}/val.jsonl.zst", f"{pile}/test.jsonl.zst"])
+    assert [flag(c, "--output-prefix")[0] for c in cmds[28:]] == [
+        f"{out}/train/pile_28", f"{out}/train/pile_29", f"{out}/val/pile_val", f"{out}/test/pile_test"]
+
+    proc = run_script("preprocess_pile.sh", SLURM_ARRAY_TASK_ID=7, SLURM_CPUS_PER_TASK=48,
+                      EXTRA_ARGS="--split-by-key meta.pile_set_name", **env)
+    assert proc.returncode == 0, proc.stderr
+    (cmd,) = [shlex.split(l) for l in proc.stdout.splitlines()]
+    assert cmd[:2] == ["python", str(REPO / "tools" / "preprocess_data.py")]
+    assert flag(cmd, "--input") == [f"{pile}/train/07.jsonl.zst"]
+    assert flag(cmd, "--output-prefix") == [f"{out}/train/pile_07"]
+    assert flag(cmd, "--workers") == ["48"] and flag(cmd, "--json-keys") == ["text"]
+    assert flag(cmd, "--tokenizer-type") == ["SentencePieceTokenizer"] and "--append-eod" in cmd
+    assert flag(cmd, "--split-by-key") == ["meta.pile_set_name"]
+
+    (pile / "train" / "07.jsonl.zst").unlink()
+    proc = run_script("preprocess_pile.sh", SLURM_ARRAY_TASK_ID=7, **env)
+    assert proc.returncode == 1 and f"{pile}/train/07.jsonl.zst does not exist" in proc.stderr
+
+
+def _write_dataset(prefix: Path, docs: list[list[int]]) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for doc in docs:
+        builder.add_document(np.array(doc, dtype=np.int64), [len(doc)])
+    builder.finalize(f"{prefix}.idx")
+
+
+def test_make_blend(tmp_path):
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import make_blend
+    finally:
+        sys.path.pop(0)
+    train = tmp_path / "train"
+    train.mkdir()
+    _write_dataset(train / "pile_00_text_document", [[1, 2, 3], [4, 5]])        # 5 tokens
+    _write_dataset(train / "pile_01_text_document", [[7] * 10, [8] * 5])        # 15 tokens
+    _write_dataset(train / "pile_02_text_document", [[9] * 20])                 # 20 tokens
+    p0, p1, p2 = (str(train / f"pile_0{i}_text_document") for i in range(3))
+
+    blend = make_blend.make_blend(make_blend.find_prefixes([str(train)]))
+    assert blend.split() == ["0.125", p0, "0.375", p1, "0.5", p2]
+    assert make_blend.make_blend(make_blend.find_prefixes([str(train)], exclude="pile_0[12]")) == f"1 {p0}"
+    assert make_blend.make_blend(make_blend.find_prefixes([p2 + ".idx", p1]), "equal") == f"0.5 {p2} 0.5 {p1}"
+    with pytest.raises(SystemExit, match="pile_09.bin: no such file"):
+        make_blend.find_prefixes([str(train / "pile_09")])
+    with pytest.raises(SystemExit, match="no \\*.idx files"):
+        make_blend.find_prefixes([str(tmp_path)])
