@@ -5,3 +5,35 @@ import os
 # Before anything imports deepspeed: run its CPU accelerator.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# --- data fixtures (built once per session; see tests/fixtures.py for what they hold) ---
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def python_corpus(tmp_path_factory) -> str:
+    """Path of a small Pile-format corpus (.jsonl.zst, {"text", "meta": {"pile_set_name"}}):
+    the 79 pydoc topics then standard-library docstrings, 500 documents."""
+    from tests.fixtures import build_corpus
+
+    return build_corpus(str(tmp_path_factory.mktemp("corpus")))
+
+
+@pytest.fixture(scope="session")
+def spm_tokenizer(python_corpus, tmp_path_factory) -> str:
+    """Path of a SentencePiece BPE .model trained on python_corpus: vocab_size 1000,
+    ids unk 0, bos 1, eod (</s>) 2, pad 3; lossless (byte fallback, no normalisation).
+    Load it with megatron_lev.data.tokenizer.build_tokenizer("SentencePieceTokenizer", path)."""
+    from tests.fixtures import build_spm
+
+    return build_spm(python_corpus, str(tmp_path_factory.mktemp("spm")))
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(python_corpus, spm_tokenizer, tmp_path_factory) -> str:
+    """Indexed-dataset prefix (`..._text_document`, .bin/.idx) of python_corpus tokenized
+    with spm_tokenizer, EOD appended to every document (uint16)."""
+    from tests.fixtures import build_tiny_dataset
+
+    return build_tiny_dataset(python_corpus, spm_tokenizer, str(tmp_path_factory.mktemp("tiny_dataset")))

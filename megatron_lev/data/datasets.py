@@ -1,0 +1,254 @@
+"""Training data: megatron-core GPT datasets over preprocessed .bin/.idx, sharded over DP.
+
+    train, valid, test = build_train_valid_test_datasets(
+        data_path=["0.3", "/data/pile_A_text_document", "0.7", "/data/pile_B_text_document"],
+        split="969,30,1", seq_length=2048, seed=1234, train_samples=..., valid_samples=...,
+        test_samples=..., tokenizer=tokenizer, cache_dir="/data/cache")
+    loader = build_pretraining_data_loader(train, consumed_samples, micro_batch_size,
+                                           data_parallel_rank, data_parallel_size)
+    for batch in loader:  # {"tokens", "labels", "loss_mask", "position_ids"}: [micro, seq]
+        ...
+
+The datasets are megatron-core's GPTDataset (document shuffling, sample packing across
+document boundaries, all fixed by the seed) blended by BlendedDataset, built by
+BlendedMegatronDatasetBuilder: rank 0 builds the index files into the cache first, the
+other ranks wait at a barrier and then load them. The sample index is built by the
+prebuilt `helpers_cpp` extension that ships in the megatron-core wheel (never compiled
+at run time).
+
+Sharding is Megatron's MegatronPretrainingSampler: the global sample order is one
+sequence 0, 1, 2, ...; global batch g is samples [g*B, (g+1)*B) with B = micro x DP,
+and DP rank r takes the slice [r*micro, (r+1)*micro) of it. Ranks see disjoint samples,
+their union is the 1-rank order, and a run resumed at `consumed_samples` continues at
+exactly that sample.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import _IndexReader, get_bin_path, get_idx_path
+from megatron.core.datasets.utils import get_blend_from_list
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+Blend = tuple[list[str], list[float] | None]
+
+
+def check_dataset_prefix(prefix: str, flag: str = "--data-path") -> None:
+    """A clear error, before any heavy work, when a prefix lacks its .bin or .idx."""
+    for path in (get_bin_path(prefix), get_idx_path(prefix)):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{flag} {prefix}: {path} does not exist")
+
+
+def parse_blend(data_path: str | Sequence[str] | None, flag: str = "--data-path") -> Blend | None:
+    """Megatron's blend syntax -> (prefixes, weights or None); every prefix checked on disk.
+
+    Accepts one prefix, several prefixes (weighted by size), or "w1 p1 w2 p2 ..." given
+    as a list of words or one string.
+    """
+    if not data_path:
+        return None
+    words = data_path.split() if isinstance(data_path, str) else [w for item in data_path for w in str(item).split()]
+
+    def is_number(word: str) -> bool:
+        try:
+            float(word)
+            return True
+        except ValueError:
+            return False
+
+    numbers = [is_number(w) for w in words]
+    if any(numbers):
+        pairs_ok = len(words) % 2 == 0 and all(numbers[0::2]) and not any(numbers[1::2])
+        if not pairs_ok:
+            raise ValueError(f"{flag} {' '.join(words)}: expected 'weight prefix weight prefix ...' "
+                             "or prefixes only")
+        if any(float(w) <= 0 for w in words[0::2]):
+            raise ValueError(f"{flag} {' '.join(words)}: blend weights must be positive")
+    prefixes, weights = get_blend_from_list(words)
+    for prefix in prefixes:
+        check_dataset_prefix(prefix, flag)
+    return prefixes, weights
+
+
+def max_token_id(prefix: str) -> int:
+    """The highest token id in a dataset (-1 if empty), so training can refuse data that
+    does not fit its vocabulary.
+
+    Read from the `.stats.json` that preprocess_data.py writes (when it matches the .bin),
+    else computed by scanning the .bin.
+    """
+    check_dataset_prefix(prefix)
+    bin_path = get_bin_path(prefix)
+    stats_path = prefix + ".stats.json"
+    if os.path.isfile(stats_path):
+        with open(stats_path, encoding="utf-8") as f:
+            stats = json.load(f)
+        if stats.get("bin_bytes") == os.path.getsize(bin_path) and "max_token_id" in stats:
+            return int(stats["max_token_id"])
+    dtype = _IndexReader(get_idx_path(prefix), multimodal=False).dtype
+    data = np.memmap(bin_path, dtype=dtype, mode="r") if os.path.getsize(bin_path) else np.empty(0, dtype)
+    highest, step = -1, 1 << 26
+    for start in range(0, len(data), step):
+        highest = max(highest, int(data[start:start + step].max()))
+    return highest
+
+
+def build_train_valid_test_datasets(
+    *,
+    data_path: str | Sequence[str] | None = None,
+    train_data_path: str | Sequence[str] | None = None,
+    valid_data_path: str | Sequence[str] | None = None,
+    test_data_path: str | Sequence[str] | None = None,
+    split: str | None = "969,30,1",
+    seq_length: int,
+    seed: int,
+    train_samples: int | None,
+    valid_samples: int | None,
+    test_samples: int | None,
+    tokenizer,
+    cache_dir: str | None = None,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+    is_built_on_rank: Callable[[], bool] | None = None,
+    num_dataset_builder_threads: int = 1,
+):
+    """(train, valid, test) GPT datasets; a split is None when it gets no data.
+
+    Either `data_path` (one blend, divided by `split`, e.g. "969,30,1") or per-split
+    paths. `*_samples` are the numbers of samples each split must provide (None: one
+    epoch). `cache_dir` holds the shuffled index files (megatron-core's default, without
+    it, is a `cache/` folder under each prefix). With `reset_attention_mask` samples also
+    carry a per-document `attention_mask` ([1, seq, seq], True = masked); otherwise none
+    is built: the model is causal.
+
+    Must be called on every rank when torch.distributed is initialised: rank 0 builds and
+    caches the indices, then the others load them. `is_built_on_rank` (default: every
+    rank) says which ranks get datasets; the others get None.
+    """
+    per_split = (train_data_path, valid_data_path, test_data_path)
+    if data_path and any(per_split):
+        raise ValueError("--data-path and --train-data-path/--valid-data-path/--test-data-path are exclusive")
+    if not data_path and not train_data_path:
+        raise ValueError("--data-path (or --train-data-path) is required")
+    if seq_length < 1:
+        raise ValueError(f"--seq-length {seq_length}: must be positive")
+    if data_path:
+        blend, blend_per_split = parse_blend(data_path, "--data-path"), None
+    else:
+        blend, split = None, None
+        blend_per_split = [parse_blend(paths, flag) for paths, flag in zip(
+            per_split, ("--train-data-path", "--valid-data-path", "--test-data-path"))]
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=split,
+        path_to_cache=cache_dir,
+        tokenizer=tokenizer,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=reset_attention_mask,
+        num_dataset_builder_threads=num_dataset_builder_threads,
+    )
+    sizes = [train_samples, valid_samples, test_samples]
+    for i, name in enumerate(("train", "valid", "test")):
+        blend_i = blend if blend_per_split is None else blend_per_split[i]
+        has_data = blend_i is not None and (config.split_matrix is None or config.split_matrix[i] is not None)
+        if sizes[i] is None and blend_i is not None and blend_i[1] is not None:
+            if has_data:  # megatron-core draws weighted blends by count: it needs one
+                raise ValueError(f"{name}_samples is required with a weighted blend")
+            sizes[i] = 0  # an empty split: its size is never used
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank or (lambda: True), config)
+    with _rank_zero_when_not_distributed():
+        train, valid, test = builder.build()
+    return train, valid, test
+
+
+@contextlib.contextmanager
+def _rank_zero_when_not_distributed():
+    """megatron-core 0.16's BlendedDataset calls torch.distributed.get_rank() to decide who
+    writes its cache even when torch.distributed is not initialised, which raises; a lone
+    process is rank 0, so answer that for the duration of the build."""
+    if torch.distributed.is_initialized():
+        yield
+        return
+    get_rank = torch.distributed.get_rank
+    torch.distributed.get_rank = lambda group=None: 0
+    try:
+        yield
+    finally:
+        torch.distributed.get_rank = get_rank
+
+
+class PretrainingSampler:
+    """Megatron's MegatronPretrainingSampler: this DP rank's micro-batches of sample ids.
+
+    Global batch g is samples [g*B, (g+1)*B), B = micro_batch_size x data_parallel_size;
+    rank r takes [r*micro, (r+1)*micro) of it. Starts at `consumed_samples`.
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
+        if total_samples <= 0:
+            raise ValueError(f"the dataset has no samples ({total_samples})")
+        if not 0 <= consumed_samples <= total_samples:
+            raise ValueError(f"consumed_samples {consumed_samples} is outside the dataset's {total_samples} samples")
+        if micro_batch_size < 1 or data_parallel_size < 1 or not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"bad sharding: micro_batch_size {micro_batch_size}, data-parallel rank "
+                             f"{data_parallel_rank} of {data_parallel_size}")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.global_batch = micro_batch_size * data_parallel_size
+        self.drop_last = drop_last
+
+    def __len__(self) -> int:
+        remaining = self.total_samples - self.consumed_samples
+        full, rest = divmod(remaining, self.global_batch)
+        mine = rest > self.data_parallel_rank * self.micro_batch_size
+        return full + (not self.drop_last and mine)
+
+    def __iter__(self):
+        start = self.data_parallel_rank * self.micro_batch_size
+        end = start + self.micro_batch_size
+        for first in range(self.consumed_samples, self.total_samples, self.global_batch):
+            batch = range(first, min(first + self.global_batch, self.total_samples))
+            if len(batch) < self.global_batch and (self.drop_last or len(batch) <= start):
+                return
+            yield list(batch[start:end])
+
+
+def collate_pretraining_batch(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """Stack samples into [micro, seq] tensors: tokens, labels, loss_mask, position_ids
+    (and attention_mask when the datasets build one). Blend bookkeeping is dropped."""
+    keys = BATCH_KEYS + (("attention_mask",) if "attention_mask" in samples[0] else ())
+    return {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in keys}
+
+
+def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
+                                  data_parallel_size: int, num_workers: int = 0, drop_last: bool = True):
+    """A DataLoader over this DP rank's share of `dataset`, from `consumed_samples` on.
+
+    Batches are dicts of [micro_batch_size, seq] tensors (see collate_pretraining_batch).
+    Returns None for a None dataset (a split with no data).
+    """
+    if dataset is None:
+        return None
+    sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
+                                 data_parallel_size, drop_last)
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_pretraining_batch,
+        pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0)

@@ -1,0 +1,270 @@
+"""Tokenizers for pre-training, on megatron-core's `MegatronTokenizerBase`.
+
+    tok = build_tokenizer("SentencePieceTokenizer", "tok.model")
+    ids = tok.tokenize("def f(x):")          # list[int], no BOS/EOD added
+    tok.detokenize(ids), tok.vocab_size, tok.eod, tok.bos, tok.pad
+
+Special tokens are explicit: `eod` ends every document when preprocessing with
+--append-eod and is what GPTDataset uses for --eod-mask-loss / --reset-position-ids;
+`bos` is the model's begin-of-sequence id (None when the vocabulary has none); `pad`
+fills short samples (megatron-core masks it out of the loss) and is -1 when the
+vocabulary has no pad token, an id that never occurs in data.
+
+`train_sentencepiece(...)` trains the SentencePiece models these classes load
+(tools/train_tokenizer.py is its command line).
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from typing import Iterable, Iterator, Sequence
+
+from megatron.core.tokenizers import MegatronTokenizerBase
+
+NO_PAD = -1  # megatron-core's own "no pad token" id: never a real token, masked from the loss
+
+
+class _PretrainingTokenizer(MegatronTokenizerBase):
+    """What GPTDataset and the preprocessing tool need from a tokenizer."""
+
+    def __init__(self, path: str, **options):
+        super().__init__(path, {"library": type(self).__name__})
+        self.options = {k: v for k, v in options.items() if v is not None}
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        """Identity of the tokenizer for megatron-core's dataset cache keys."""
+        ids = OrderedDict(**{"class": type(self).__name__, "tokenizer_path": os.path.abspath(self.path)})
+        ids.update((k, str(v)) for k, v in sorted(self.options.items()))
+        return ids
+
+    @property
+    def eos(self) -> int:
+        return self.eod
+
+    @property
+    def special_tokens(self) -> dict:
+        return {"eod": self.eod, "bos": self.bos, "pad": self.pad}
+
+    def apply_chat_template(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} is a pre-training tokenizer: it has no chat template")
+
+    def describe(self) -> dict:
+        """JSON-able summary (written next to preprocessed datasets)."""
+        return {"type": type(self).__name__, "model": os.path.abspath(self.path),
+                "vocab_size": self.vocab_size, **self.special_tokens}
+
+
+class SentencePieceTokenizer(_PretrainingTokenizer):
+    """A SentencePiece model: EOD is its `</s>` (eos) piece, BOS `<s>`, PAD its pad piece."""
+
+    def __init__(self, path: str):
+        import sentencepiece
+
+        super().__init__(path)
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        if self._sp.eos_id() < 0:
+            raise ValueError(f"--tokenizer-model {path}: the SentencePiece model has no eos piece, "
+                             "which pre-training needs as the end-of-document token")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return {self._sp.id_to_piece(i): i for i in range(self.vocab_size)}
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        return {i: self._sp.id_to_piece(i) for i in range(self.vocab_size)}
+
+    @property
+    def eod(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def bos(self) -> int | None:
+        return self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+
+    @property
+    def pad(self) -> int:
+        return self._sp.pad_id() if self._sp.pad_id() >= 0 else NO_PAD
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._sp.encode(text, out_type=int)
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._sp.encode(list(texts), out_type=int)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+# Names tried, in order, when a Hugging Face tokenizer does not say which token is which.
+_HF_EOD_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
+_HF_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
+_HF_PAD_NAMES = ("<pad>", "<|padding|>", "<|pad|>", "[PAD]")
+
+
+class HuggingFaceTokenizer(_PretrainingTokenizer):
+    """A Hugging Face `tokenizers` tokenizer: a tokenizer.json file or a folder holding one.
+
+    Special tokens come from the arguments, else from tokenizer_config.json /
+    special_tokens_map.json in the same folder, else from the usual names
+    (<|endoftext|>, </s>, ...). A vocabulary without an end-of-document token is refused.
+    """
+
+    def __init__(self, path: str, eod_token: str | None = None, bos_token: str | None = None,
+                 pad_token: str | None = None):
+        from tokenizers import Tokenizer
+
+        super().__init__(path, eod_token=eod_token, bos_token=bos_token, pad_token=pad_token)
+        folder = path if os.path.isdir(path) else os.path.dirname(path)
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"--tokenizer-model {path}: no tokenizer.json there")
+        self._tok = Tokenizer.from_file(file)
+        declared = _hf_declared_special_tokens(folder)
+        self._eod = self._special_id(eod_token or declared.get("eos_token"), _HF_EOD_NAMES)
+        if self._eod is None:
+            raise ValueError(f"--tokenizer-model {path}: no end-of-document token found (looked for "
+                             f"{', '.join(_HF_EOD_NAMES)}); name it with eod_token=")
+        self._bos = self._special_id(bos_token or declared.get("bos_token"), _HF_BOS_NAMES)
+        pad = self._special_id(pad_token or declared.get("pad_token"), _HF_PAD_NAMES)
+        self._pad = NO_PAD if pad is None else pad
+
+    def _special_id(self, declared: str | None, candidates: Sequence[str]) -> int | None:
+        if declared is not None:
+            token_id = self._tok.token_to_id(declared)
+            if token_id is None:
+                raise ValueError(f"--tokenizer-model {self.path}: special token {declared!r} is not in the vocabulary")
+            return token_id
+        return next((i for i in map(self._tok.token_to_id, candidates) if i is not None), None)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        return {i: t for t, i in self.vocab.items()}
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def bos(self) -> int | None:
+        return self._bos
+
+    @property
+    def pad(self) -> int:
+        return self._pad
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _hf_declared_special_tokens(folder: str) -> dict[str, str]:
+    """eos/bos/pad token strings from tokenizer_config.json or special_tokens_map.json."""
+    found: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        file = os.path.join(folder, name)
+        if not os.path.isfile(file):
+            continue
+        with open(file, encoding="utf-8") as f:
+            config = json.load(f)
+        for key in ("eos_token", "bos_token", "pad_token"):
+            value = config.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str):
+                found.setdefault(key, value)
+    return found
+
+
+TOKENIZER_TYPES = {
+    "SentencePieceTokenizer": SentencePieceTokenizer,
+    # Megatron-LM's name for the same thing (EOD = the model's eos piece).
+    "GPTSentencePieceTokenizer": SentencePieceTokenizer,
+    "HuggingFaceTokenizer": HuggingFaceTokenizer,
+}
+
+
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str, **options) -> _PretrainingTokenizer:
+    """The tokenizer for --tokenizer-type / --tokenizer-model, with a clear error for bad flags."""
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(f"--tokenizer-type {tokenizer_type}: unknown (choose from {', '.join(TOKENIZER_TYPES)})")
+    if not tokenizer_model or not os.path.exists(tokenizer_model):
+        raise FileNotFoundError(f"--tokenizer-model {tokenizer_model}: no such file")
+    return TOKENIZER_TYPES[tokenizer_type](tokenizer_model, **options)
+
+
+# ---------------------------------------------------------------------------------------
+# Training
+
+
+def training_sentences(texts: Iterable[str]) -> Iterator[str]:
+    """Documents -> the lines SentencePiece trains on (non-blank lines, newline dropped;
+    newlines are encoded through byte fallback, as in LLaMA's tokenizer)."""
+    for text in texts:
+        for line in text.split("\n"):
+            if line.strip():
+                yield line
+
+
+def train_sentencepiece(sentences: Iterable[str], model_path: str, vocab_size: int, model_type: str = "bpe",
+                        byte_fallback: bool = True, user_defined_symbols: Sequence[str] = (),
+                        sample_sentences: int = 10_000_000, character_coverage: float = 0.9999,
+                        max_sentence_length: int = 16384, num_threads: int | None = None, seed: int = 1234,
+                        pad: bool = True) -> SentencePieceTokenizer:
+    """Train a lossless SentencePiece model for pre-training; write `model_path` (+ .vocab).
+
+    Lossless: no normalisation, whitespace kept as is (code and indentation survive
+    encode -> decode), digits split, unknown characters fall back to bytes. Ids:
+    0 <unk>, 1 <s> (bos), 2 </s> (eod), 3 <pad> (when `pad`), then user-defined
+    symbols, then the learned pieces. `sample_sentences` caps how many of the given
+    sentences SentencePiece keeps (a seeded random sample). The files appear under
+    their final names only when training succeeded.
+    """
+    import sentencepiece
+
+    if model_type not in ("bpe", "unigram"):
+        raise ValueError(f"--model-type {model_type}: choose bpe or unigram")
+    if not model_path.endswith(".model"):
+        raise ValueError(f"--output {model_path}: a SentencePiece model file must end with .model")
+    prefix = model_path[: -len(".model")]
+    directory = os.path.dirname(os.path.abspath(model_path))
+    os.makedirs(directory, exist_ok=True)
+    tmp_prefix = os.path.join(directory, f".{os.path.basename(prefix)}.tmp-{os.getpid()}")
+    sentencepiece.set_random_generator_seed(seed)
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences), model_prefix=tmp_prefix, vocab_size=vocab_size,
+            model_type=model_type, byte_fallback=byte_fallback,
+            user_defined_symbols=list(user_defined_symbols), character_coverage=character_coverage,
+            input_sentence_size=sample_sentences, shuffle_input_sentence=True,
+            max_sentence_length=max_sentence_length, num_threads=num_threads or os.cpu_count() or 1,
+            normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True,
+            allow_whitespace_only_pieces=True, unk_id=0, bos_id=1, eos_id=2, pad_id=3 if pad else -1,
+            minloglevel=2,
+        )
+        os.replace(tmp_prefix + ".vocab", prefix + ".vocab")
+        os.replace(tmp_prefix + ".model", model_path)
+    finally:
+        for suffix in (".model", ".vocab"):
+            if os.path.exists(tmp_prefix + suffix):
+                os.remove(tmp_prefix + suffix)
+    return SentencePieceTokenizer(model_path)
