@@ -137,25 +137,42 @@ def test_bad_input_counted_and_reported(tmp_path, tokenizer, spm_tokenizer):
     zst_lines = [encode({"text": f"compressed document {i}: " + " ".join(map(str, rng.integers(0, 10**6, 40)))})
                  for i in range(2000)]
     truncated_zst(str(folder / "b.jsonl.zst"), zst_lines)
+    gz = gzip.compress(b"".join(line + b"\n" for line in zst_lines[:50]))
+    (folder / "c.jsonl.gz").write_bytes(gz[: len(gz) // 2])
     prefix = str(tmp_path / "out" / "bad")
     summary, log = run_preprocess(str(folder), prefix, spm_tokenizer, "--append-eod")
     assert summary.bad_counts == {"malformed_json": 1, "missing_key": 1, "non_string_key": 1, "invalid_utf8": 2,
-                                  "empty_document": 1, "truncated": 1}
+                                  "empty_document": 1, "truncated": 2}
+    assert "skipped 8 bad record(s)" in log and "done: " in log
     where = {(case.kind, case.line) for case in summary.bad_examples if case.path.endswith("a.jsonl")}
     assert where >= {(kind, line) for kind, line in expected_lines.items()}
     for kind, line in expected_lines.items():
         reported = [text for text in log.splitlines() if f"a.jsonl:{line}: {kind}: " in text]
         assert len(reported) == 1 and reported[0].startswith("warning: skipped ") and BAD_CASES[kind][1] in reported[0]
     assert "lone surrogate" in log and "b.jsonl.zst" in log and "truncated" in log
-    # Every good document survives, in order: the a.jsonl ones, then the intact .zst lines.
-    good_a = [json.loads(line)["text"] for line in lines
-              if line and line.startswith(b'{"text": "document')]
-    kept_zst = documents(f"{prefix}_text_document")[len(good_a):]
-    assert documents(f"{prefix}_text_document")[:len(good_a)] == [tokenizer.tokenize(t) + [2] for t in good_a]
-    assert 500 < len(kept_zst) < 2000
-    assert kept_zst == [tokenizer.tokenize(json.loads(zst_lines[i])["text"]) + [2] for i in range(len(kept_zst))]
-    truncated = next(c for c in summary.bad_examples if c.kind == "truncated")
-    assert truncated.line == len(kept_zst) + 1  # the first line that did not arrive whole
+    # Every good document survives, in order: a.jsonl's, then the whole lines of the cut
+    # .zst and .gz files; each cut is reported at the first line that did not arrive whole.
+    good_a = [json.loads(line)["text"] for line in lines if line.startswith(b'{"text": "document')]
+    cut_at = {os.path.basename(c.path): c.line for c in summary.bad_examples if c.kind == "truncated"}
+    whole_zst, whole_gz = cut_at["b.jsonl.zst"] - 1, cut_at["c.jsonl.gz"] - 1
+    assert 500 < whole_zst < 2000 and 0 < whole_gz < 50
+    expected = [t for t in good_a] + [json.loads(zst_lines[i])["text"] for i in range(whole_zst)] + \
+        [json.loads(zst_lines[i])["text"] for i in range(whole_gz)]
+    assert documents(f"{prefix}_text_document") == [tokenizer.tokenize(t) + [tokenizer.eod] for t in expected]
+
+
+def _die_in_worker(*args, **kwargs):
+    os._exit(9)  # as if the kernel killed the worker for memory
+
+
+def test_dead_worker_fails_the_run_cleanly(tmp_path, python_corpus, spm_tokenizer, monkeypatch):
+    from megatron_lev.data import preprocess
+
+    monkeypatch.setattr(preprocess, "encode_block", _die_in_worker)  # forked workers inherit it
+    out = tmp_path / "out"
+    with pytest.raises(PreprocessError, match="a worker process died"):
+        run_preprocess(python_corpus, str(out / "p"), spm_tokenizer, "--workers", "2")
+    assert output_files(out) == []
 
 
 @pytest.mark.parametrize("kind", [*BAD_CASES, "truncated", "missing_split_key"])

@@ -153,7 +153,7 @@ def _gzip_chunks(raw) -> Iterator[bytes]:
     gz = gzip.GzipFile(fileobj=raw, mode="rb")
     while True:
         try:
-            chunk = gz.read(_READ_BYTES)
+            chunk = gz.read1(_READ_BYTES)  # read() would drop what it got before a truncation
         except EOFError as exc:
             raise _StreamDamaged("truncated", f"gzip: {exc} (truncated .gz file)") from None
         except (gzip.BadGzipFile, zlib.error, OSError) as exc:

@@ -36,6 +36,8 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -160,10 +162,6 @@ def encode_block(index: int, block: Block, opts: EncodeOptions, tokenizer=None) 
     result.tokens = sum(tokens for _, tokens, _ in result.shard_stats.values())
     result.max_token_id = max((highest for _, _, highest in result.shard_stats.values()), default=-1)
     return result
-
-
-def _encode_block_in_worker(args):
-    return encode_block(*args)
 
 
 # ---------------------------------------------------------------------------------------
@@ -341,18 +339,26 @@ def _run(args, files, tokenizer, keys, dtype, work_dir, log) -> PreprocessSummar
             merge(encode_block(*task, tokenizer=tokenizer))
     else:
         # fork: workers start in milliseconds (no re-import of torch/megatron-core).
+        # ProcessPoolExecutor rather than multiprocessing.Pool: a worker that dies (OOM
+        # kill) fails the run with BrokenProcessPool instead of hanging it forever.
         method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-        context = multiprocessing.get_context(method)
         max_in_flight = args.workers + 2
-        with context.Pool(args.workers, initializer=_init_worker,
-                          initargs=(args.tokenizer_type, args.tokenizer_model)) as pool:
+        pool = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context(method),
+                                   initializer=_init_worker, initargs=(args.tokenizer_type, args.tokenizer_model))
+        try:
             in_flight = collections.deque()
             for task in tasks():
-                in_flight.append(pool.apply_async(_encode_block_in_worker, (task,)))
-                while len(in_flight) >= max_in_flight or (in_flight and in_flight[0].ready()):
-                    merge(in_flight.popleft().get())
+                in_flight.append(pool.submit(encode_block, *task))
+                while len(in_flight) >= max_in_flight or (in_flight and in_flight[0].done()):
+                    merge(in_flight.popleft().result())
             while in_flight:
-                merge(in_flight.popleft().get())
+                merge(in_flight.popleft().result())
+        except BrokenProcessPool as exc:
+            raise PreprocessError(f"a worker process died ({exc}); if it was killed for memory, "
+                                  "lower --workers or --chunk-size-mb") from None
+        finally:
+            # Blocks already running finish (seconds) before the work folder is removed.
+            pool.shutdown(wait=True, cancel_futures=True)
 
     if not builders:
         raise PreprocessError(f"--input {' '.join(args.input)}: no valid documents "
