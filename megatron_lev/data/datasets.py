@@ -170,10 +170,30 @@ def build_train_valid_test_datasets(
             if has_data:  # megatron-core draws weighted blends by count: it needs one
                 raise ValueError(f"{name}_samples is required with a weighted blend")
             sizes[i] = 0  # an empty split: its size is never used
+    if blend is not None:
+        _check_splits_have_documents(blend[0], config.split_matrix, sizes, split)
     builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank or (lambda: True), config)
     with _rank_zero_when_not_distributed():
         train, valid, test = builder.build()
     return train, valid, test
+
+
+def _check_splits_have_documents(prefixes, split_matrix, sizes, split: str) -> None:
+    """Refuse a split that must supply samples but gets no document of some dataset:
+    megatron-core would add 0-token epochs forever (a tiny dataset's 1/1000 test share
+    under "969,30,1" hangs). Same rounding as BlendedMegatronDatasetBuilder; runs on
+    every rank before any barrier, so all ranks fail alike."""
+    for prefix in prefixes:
+        documents = len(_IndexReader(get_idx_path(prefix), multimodal=False).sequence_lengths)
+        for i, name in enumerate(("train", "valid", "test")):
+            bounds = split_matrix[i]
+            if bounds is None or not sizes[i]:
+                continue
+            count = int(round(bounds[1] * float(documents))) - int(round(bounds[0] * float(documents)))
+            if count <= 0:
+                raise ValueError(f"--split {split}: the {name} split of {prefix} ({documents} documents) gets "
+                                 f"no document but {sizes[i]} samples are needed; give it a larger share or "
+                                 f"its own --{name}-data-path")
 
 
 @contextlib.contextmanager
