@@ -1,0 +1,105 @@
+"""The DeepSpeed config of a run: a JSON from `deepspeed_configs/` completed from our flags.
+
+The JSONs hold only what is DeepSpeed's business (ZeRO stage, buckets, offload,
+fp32 gradient accumulation). The keys that our flags own are written "auto" there and
+filled in here, so one JSON serves every model size and batch:
+
+    train_batch_size                 <- --global-batch-size
+    train_micro_batch_size_per_gpu   <- --micro-batch-size
+    gradient_accumulation_steps      <- global / (micro x data-parallel size)
+    gradient_clipping                <- --clip-grad
+    bf16.enabled                     <- --bf16
+
+A JSON may also give a number for any of them; it must then equal the flag (a silent
+disagreement between the two is how batch-size bugs happen). The optimizer and LR
+schedule are built by the trainer (optim.py), so `optimizer`/`scheduler` sections are
+refused, as is fp16 (bf16 or fp32 only).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from megatron_lev.arguments import ConfigError
+
+DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "deepspeed_configs"
+DEFAULT_ZERO_STAGE = 1
+AUTO = "auto"
+
+
+def resolve_deepspeed_config(name_or_path: str | None, zero_stage: int | None) -> Path:
+    """`--deepspeed-config` as a path or a name in deepspeed_configs/; else zero{--zero-stage}.json."""
+    if name_or_path is None:
+        name_or_path = f"zero{zero_stage or DEFAULT_ZERO_STAGE}"
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    packaged = DS_CONFIG_DIR / (name_or_path if name_or_path.endswith(".json") else f"{name_or_path}.json")
+    if packaged.is_file():
+        return packaged
+    available = ", ".join(sorted(p.stem for p in DS_CONFIG_DIR.glob("*.json"))) or "none found"
+    raise ConfigError(f"--deepspeed-config {name_or_path}: no such file, and not one of {DS_CONFIG_DIR} "
+                      f"({available})")
+
+
+def _fill(section: dict, key: str, value, flag: str, source: Path) -> None:
+    current = section.get(key, AUTO)
+    if current == AUTO:
+        section[key] = value
+    elif current != value:
+        raise ConfigError(f"{source}: {key} is {current!r} but {flag} gives {value!r}; set it to \"auto\" "
+                          f"or make them agree")
+
+
+def build_deepspeed_config(args) -> dict:
+    """Load the run's DeepSpeed JSON and complete it from `args` (after validate_args)."""
+    path = resolve_deepspeed_config(args.deepspeed_config, args.zero_stage)
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from exc
+    cfg = copy.deepcopy(cfg)
+    for section in ("optimizer", "scheduler"):
+        if section in cfg:
+            raise ConfigError(f"{path}: remove the '{section}' section: the trainer builds AdamW and the LR "
+                              f"schedule from --lr/--min-lr/--lr-warmup-iters/--weight-decay/--adam-*")
+    if cfg.get("fp16", {}).get("enabled") not in (None, False, AUTO):
+        raise ConfigError(f"{path}: fp16 is not supported; use --bf16 (bf16.enabled \"auto\")")
+    cfg.pop("fp16", None)
+
+    zero = cfg.setdefault("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if args.zero_stage is not None and args.deepspeed_config is not None and stage != args.zero_stage:
+        raise ConfigError(f"--zero-stage {args.zero_stage} disagrees with {path} (zero_optimization.stage "
+                          f"{stage}); drop one of them")
+    if stage not in (1, 2, 3):
+        raise ConfigError(
+            f"{path}: zero_optimization.stage {stage} is not supported: use 1 (it shards only optimizer "
+            f"state, at the communication cost of plain data parallelism), 2 or 3; stage 0 has no fp32 "
+            f"gradient accumulation under bf16 and no overflow-skipping optimizer in fp32")
+    if args.pipeline_model_parallel_size > 1 and stage > 1:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} needs ZeRO stage <= 1, got "
+            f"stage {stage} ({path}): ZeRO-2/3 partition gradients/parameters across data-parallel ranks "
+            f"inside every backward pass, while DeepSpeed's pipeline engine accumulates each stage's "
+            f"gradients over all micro-batches before reducing them; use --zero-stage 1")
+    args.zero_stage = stage
+
+    _fill(cfg, "train_batch_size", args.global_batch_size, "--global-batch-size", path)
+    _fill(cfg, "train_micro_batch_size_per_gpu", args.micro_batch_size, "--micro-batch-size", path)
+    _fill(cfg, "gradient_accumulation_steps", args.gradient_accumulation_steps,
+          "--global-batch-size / (--micro-batch-size x data-parallel size)", path)
+    _fill(cfg, "gradient_clipping", float(args.clip_grad), "--clip-grad", path)
+    bf16 = cfg.setdefault("bf16", {})
+    _fill(bf16, "enabled", bool(args.bf16), "--bf16", path)
+    cfg.setdefault("steps_per_print", 10**9)  # we log ourselves
+    cfg.setdefault("wall_clock_breakdown", False)
+    args.deepspeed_config_path = str(path)
+    return cfg
+
+
+def offloads_optimizer(ds_config: dict) -> bool:
+    device = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    return device in ("cpu", "nvme")

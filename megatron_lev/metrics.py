@@ -1,0 +1,119 @@
+"""Where training metrics go: metrics.jsonl, TensorBoard and (optionally) W&B.
+
+Only rank 0 writes (the trainer all-reduces what it logs first). Every record is one
+JSON object per line with at least `iteration` and `consumed_tokens`; training lines
+carry `loss`, evaluation lines `valid_loss`/`valid_ppl` (see train.py for the fields).
+
+On resume the JSONL is cut back to the loaded iteration, so lines written after the
+checkpoint by the interrupted run (and now repeated) appear once.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from typing import Optional
+
+
+def truncate_jsonl(path: str, last_iteration: int) -> None:
+    """Keep only records with iteration <= last_iteration (atomic rewrite)."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill
+                continue
+            if record.get("iteration", 0) <= last_iteration:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no inf/nan
+    return value
+
+
+class MetricsWriter:
+    """Fan-out of scalar records. Inactive (all no-ops) on ranks other than 0."""
+
+    def __init__(self, *, active: bool, jsonl_path: Optional[str] = None, tensorboard_dir: Optional[str] = None,
+                 wandb_project: Optional[str] = None, wandb_name: Optional[str] = None,
+                 wandb_dir: Optional[str] = None, config: Optional[dict] = None, resume_iteration: int = 0):
+        self.active = active
+        self._jsonl = None
+        self._tb = None
+        self._wandb = None
+        if not active:
+            return
+        if jsonl_path:
+            os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
+            truncate_jsonl(jsonl_path, resume_iteration)
+            self._jsonl = open(jsonl_path, "a", encoding="utf-8")
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=tensorboard_dir, purge_step=resume_iteration + 1 if resume_iteration else None)
+        if wandb_project:
+            self._wandb = _init_wandb(wandb_project, wandb_name, wandb_dir, config)
+
+    def write(self, record: dict, step: int) -> None:
+        if not self.active:
+            return
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({k: _json_safe(v) for k, v in record.items()}) + "\n")
+            self._jsonl.flush()
+        scalars = {k: v for k, v in record.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+            # The paper's x-axis: loss against tokens seen.
+            for k in ("loss", "valid_loss"):
+                if k in scalars and "consumed_tokens" in record:
+                    self._tb.add_scalar(f"{k}_vs_tokens", scalars[k], int(record["consumed_tokens"]))
+            self._tb.flush()
+        if self._wandb is not None:
+            try:
+                self._wandb.log(scalars, step=step)
+            except Exception as exc:  # never let logging kill training
+                warnings.warn(f"W&B logging failed, disabling it: {exc}")
+                self._wandb = None
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            try:
+                self._wandb.finish()
+            except Exception:
+                pass
+            self._wandb = None
+
+
+def _init_wandb(project, name, save_dir, config):
+    """W&B run, offline unless WANDB_MODE says otherwise or an API key is set; None if
+    wandb is missing or cannot start (a warning, never an error)."""
+    try:
+        import wandb
+    except ImportError:
+        warnings.warn("--wandb-project given but wandb is not installed (pip install 'megatron_lev[wandb]'); "
+                      "W&B logging is off")
+        return None
+    mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    try:
+        return wandb.init(project=project, name=name, dir=save_dir, config=config, mode=mode, resume="allow")
+    except Exception as exc:
+        warnings.warn(f"W&B could not start ({exc}); W&B logging is off")
+        return None

@@ -1,0 +1,546 @@
+"""Pre-training under DeepSpeed: `python -m megatron_lev.train --config lev-200m ...`.
+
+    torchrun --nproc_per_node 8 -m megatron_lev.train --config lev-1.2b \
+        --data-path /data/pile_text_document --tokenizer-type SentencePieceTokenizer \
+        --tokenizer-model /data/tok.model --save ckpt --load ckpt --bf16
+
+What a run does, in order:
+1. parse flags over the YAML (arguments.py), check the batch arithmetic, build the
+   DeepSpeed config (ds_config.py), check the data paths, the tokenizer/dataset
+   vocabulary against the model's, and a `--load` checkpoint's config against this
+   run's: every mistake here stops the job before any model is built;
+2. start torch.distributed and megatron-core's TP/PP/DP groups, seed;
+3. build the model: `LeviathanModel` under `deepspeed.initialize(mpu=DeepSpeedMPU())`
+   for PP = 1 (ZeRO 1/2/3), or `build_pipeline_model` under DeepSpeed's pipeline
+   engine for PP > 1 (ZeRO 1); AdamW with weight-decay groups and the warmup+cosine
+   schedule (optim.py); DeepSpeed owns clipping (its grad norm counts replicated
+   parameters once over TP and sums shards over TP/PP/DP) and skips steps whose
+   gradient norm is not finite;
+4. resume from `--load` (checkpointing.py) and train, logging every --log-interval,
+   evaluating every --eval-interval, checkpointing every --save-interval, on
+   SIGTERM/SIGUSR1, at --exit-interval / --exit-duration-in-mins, and at the end.
+
+Exit codes: 0 done or stopped cleanly (signal, exit interval/duration: a requeued job
+resumes with --load); 1 too many non-finite steps in a row (after saving); 2 bad
+configuration (nothing was built).
+"""
+from __future__ import annotations
+
+import math
+import os
+import resource
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_lev import checkpointing, parallel
+from megatron_lev.arguments import ConfigError, effective_config, format_config, parse_args, validate_args
+from megatron_lev.ds_config import build_deepspeed_config, offloads_optimizer
+from megatron_lev.flops import FlopsModel, peak_flops_per_device, training_flops
+from megatron_lev.metrics import MetricsWriter
+from megatron_lev.optim import build_lr_scheduler, build_optimizer
+
+EXIT_OK, EXIT_SKIPPED_STEPS, EXIT_CONFIG = 0, 1, 2
+
+
+# --------------------------------------------------------------------------- signals
+
+
+class ExitSignalHandler:
+    """SIGTERM/SIGUSR1 (Slurm preemption, the time limit) set a flag; the training loop
+    agrees on it across ranks at the next step boundary, checkpoints and exits 0."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.received: Optional[int] = None
+
+    def install(self) -> "ExitSignalHandler":
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signum
+
+
+# --------------------------------------------------------------------------- set-up checks
+
+
+def fail(message: str, rank: int) -> int:
+    if rank == 0:
+        print(f"megatron_lev.train: error: {message}", file=sys.stderr, flush=True)
+    return EXIT_CONFIG
+
+
+def build_model_config(args):
+    from megatron_lev.model import model_config_from_dict
+
+    # --seed seeds the weights too (Megatron's meaning) unless the YAML pins model.init_seed.
+    overrides = {} if "init_seed" in args.model else {"init_seed": args.seed}
+    return model_config_from_dict(
+        args.model, tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size, bf16=bool(args.bf16),
+        sequence_parallel=bool(args.sequence_parallel), recompute=bool(args.recompute_activations), **overrides)
+
+
+def check_data(args, tokenizer, vocab_size: int) -> None:
+    """Missing files, or ids the model's vocabulary cannot hold, stop the run here."""
+    from megatron_lev.data.datasets import max_token_id, parse_blend
+
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"--tokenizer-model {args.tokenizer_model} has {tokenizer.vocab_size} tokens but the "
+                          f"model's vocab_size is {vocab_size} ({args.config}): raise model.vocab_size")
+    for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        flag = "--" + dest.replace("_", "-")
+        blend = parse_blend(getattr(args, dest), flag)  # FileNotFoundError naming the flag and file
+        for prefix in blend[0] if blend else ():
+            highest = max_token_id(prefix)
+            if highest >= vocab_size:
+                raise ConfigError(f"{flag} {prefix}: holds token id {highest}, outside the model's vocab_size "
+                                  f"{vocab_size} ({args.config}): was it tokenized with another tokenizer?")
+
+
+def flops_model(model_config, seq_length: int) -> FlopsModel:
+    lev = model_config.lev_config() if model_config.embedding == "lev" else None
+    return FlopsModel(
+        num_layers=model_config.num_layers, hidden_size=model_config.hidden_size,
+        ffn_hidden_size=model_config.ffn_hidden_size,
+        kv_width=model_config.kv_channels * (model_config.num_query_groups or model_config.num_attention_heads),
+        padded_vocab_size=model_config.padded_vocab_size, seq_length=seq_length,
+        lev_heads=lev.num_heads if lev else None, lev_seed_dim=lev.seed_dim if lev else None,
+        lev_knots=lev.num_knots if lev else None, lev_modes=lev.num_modes if lev else None)
+
+
+# --------------------------------------------------------------------------- model and engine
+
+
+def poison_nonfinite(loss: torch.Tensor) -> torch.Tensor:
+    """A non-finite loss must skip the step; DeepSpeed skips on a non-finite gradient
+    norm, so make sure one follows: multiply by NaN when the loss is not finite (no
+    host sync; a finite loss is multiplied by exactly 1)."""
+    scale = torch.where(torch.isfinite(loss.detach()), 1.0, float("nan")).to(loss.dtype)
+    return loss * scale
+
+
+def _poisoned(loss_fn):
+    def wrapped(*args, **kwargs):
+        return poison_nonfinite(loss_fn(*args, **kwargs))
+
+    return wrapped
+
+
+def build_engine(args, model_config, ds_config: dict):
+    """DeepSpeed engine over the plain model (PP = 1) or the pipeline module (PP > 1)."""
+    import deepspeed
+
+    if args.pipeline_model_parallel_size > 1:
+        from megatron_lev.pipeline import build_pipeline_model
+
+        module = build_pipeline_model(model_config)  # recompute interval from the config
+        module.loss_fn = _poisoned(module.loss_fn)
+        mpu = None  # the PipelineModule carries its topology
+    else:
+        from megatron_lev.model import LeviathanModel
+
+        module = LeviathanModel(model_config)
+        mpu = parallel.DeepSpeedMPU()
+    if torch.cuda.is_available():
+        module = module.cuda()
+    offload = offloads_optimizer(ds_config)
+    optimizer = build_optimizer(module, lr=args.lr, weight_decay=args.weight_decay,
+                                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, offload=offload)
+    if offload and type(optimizer).__name__ != "DeepSpeedCPUAdam":
+        ds_config["zero_force_ds_cpu_optimizer"] = False  # the CPU Adam op could not be built here
+
+    def scheduler(opt):
+        return build_lr_scheduler(opt, lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
+                                  decay_iters=args.lr_decay_iters, style=args.lr_decay_style)
+
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=ds_config, mpu=mpu)
+    return engine
+
+
+# --------------------------------------------------------------------------- data
+
+
+def build_datasets(args, tokenizer):
+    from megatron_lev.data.datasets import build_train_valid_test_datasets
+
+    samples = args.eval_iters * args.global_batch_size
+    return build_train_valid_test_datasets(
+        data_path=args.data_path, train_data_path=args.train_data_path, valid_data_path=args.valid_data_path,
+        test_data_path=args.test_data_path, split=args.split, seq_length=args.seq_length, seed=args.seed,
+        train_samples=args.train_iters * args.global_batch_size, valid_samples=samples, test_samples=samples,
+        tokenizer=tokenizer, cache_dir=args.data_cache_path)
+
+
+def micro_batches(dataset, consumed_samples: int, args, device) -> Iterator[dict]:
+    """This DP rank's micro-batches from `consumed_samples` on, on `device`."""
+    from megatron.core import parallel_state
+    from megatron_lev.data.datasets import build_pretraining_data_loader
+
+    loader = build_pretraining_data_loader(
+        dataset, consumed_samples, args.micro_batch_size, parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_world_size(), num_workers=args.num_workers)
+    for batch in loader:
+        yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+class PipelineBatches:
+    """Micro-batch dicts -> the pipeline module's ((input_ids, position_ids), (labels,
+    loss_mask)) tuples; counts distinct ids of what it hands out (for LEV FLOPs)."""
+
+    def __init__(self, batches: Iterator[dict]):
+        self.batches = batches
+        self.distinct = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        b = next(self.batches)
+        self.distinct += int(torch.unique(b["tokens"]).numel())
+        return (b["tokens"], b["position_ids"]), (b["labels"], b["loss_mask"])
+
+
+# --------------------------------------------------------------------------- training
+
+
+@dataclass
+class TrainState:
+    """Everything besides DeepSpeed's own state that a checkpoint must restore."""
+
+    iteration: int = 0
+    consumed_samples: int = 0
+    consumed_tokens: int = 0
+    skipped_steps: int = 0  # total non-finite steps
+    consecutive_skipped: int = 0
+
+    def client_state(self, config: dict) -> dict:
+        return {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
+                "consumed_tokens": self.consumed_tokens, "skipped_steps": self.skipped_steps,
+                "consecutive_skipped": self.consecutive_skipped, "config": config}
+
+    @classmethod
+    def from_client_state(cls, state: dict) -> "TrainState":
+        return cls(**{k: state[k] for k in ("iteration", "consumed_samples", "consumed_tokens", "skipped_steps",
+                                             "consecutive_skipped") if k in state})
+
+
+@dataclass
+class IntervalStats:
+    """Accumulates what one log line reports."""
+
+    iterations: int = 0
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    tokens: int = 0
+    distinct_tokens: int = 0
+    skipped: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+
+class Trainer:
+    def __init__(self, args, model_config, ds_config: dict, config: dict, datasets):
+        from megatron.core import parallel_state
+
+        self.args, self.model_config, self.config = args, model_config, config
+        self.train_ds, self.valid_ds, self.test_ds = datasets
+        self.exit_handler: Optional[ExitSignalHandler] = None
+        self.device = parallel.default_device()
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.engine = build_engine(args, model_config, ds_config)
+        self.is_pipeline = args.pipeline_model_parallel_size > 1
+        self.dp_group = parallel_state.get_data_parallel_group()
+        # Only one rank per DP replica contributes to sums over the world.
+        self.reports = (parallel_state.get_tensor_model_parallel_rank() == 0
+                        and parallel_state.get_pipeline_model_parallel_rank() == 0)
+        self.state = TrainState()
+        self.flops_model = flops_model(model_config, args.seq_length)
+        self.peak_flops = peak_flops_per_device(args.gpu_type, args.peak_tflops)
+        self.count_distinct = model_config.embedding == "lev"
+        self.last_saved: Optional[int] = None
+        self.start_time = time.time()
+
+        if args.load:
+            tag = checkpointing.find_latest(args.load)
+            if tag is not None:
+                client = checkpointing.load_checkpoint(self.engine, args.load, tag,
+                                                       load_optimizer=not args.no_load_optim)
+                if not args.no_load_optim:
+                    self.state = TrainState.from_client_state(client)
+                    self.last_saved = self.state.iteration
+                parallel.print_rank_0(f"resumed from {os.path.join(args.load, tag)} at iteration "
+                                      f"{self.state.iteration} ({self.state.consumed_samples} samples)")
+            else:
+                parallel.print_rank_0(f"--load {args.load}: no complete checkpoint, starting fresh")
+
+        self.metrics = MetricsWriter(
+            active=self.rank == 0, jsonl_path=args.metrics_file, tensorboard_dir=args.tensorboard_dir,
+            wandb_project=args.wandb_project, wandb_name=args.wandb_exp_name, wandb_dir=args.wandb_save_dir,
+            config=config, resume_iteration=self.state.iteration)
+
+    # ------------------------------------------------------------------ one step
+
+    def train_step(self, batches: Iterator[dict]) -> tuple[torch.Tensor, int]:
+        """One optimizer step over gradient_accumulation_steps micro-batches.
+
+        Returns (this rank's mean micro-batch loss, distinct ids seen by this rank)."""
+        engine = self.engine
+        if self.is_pipeline:
+            pipe_batches = PipelineBatches(batches)
+            loss = engine.train_batch(data_iter=pipe_batches)
+            return loss.detach().float(), pipe_batches.distinct
+        engine.train()
+        losses, distinct = [], 0
+        for _ in range(self.args.gradient_accumulation_steps):
+            b = next(batches)
+            if self.count_distinct:
+                distinct += int(torch.unique(b["tokens"]).numel())
+            loss = engine(b["tokens"], position_ids=b["position_ids"], labels=b["labels"], loss_mask=b["loss_mask"])
+            engine.backward(poison_nonfinite(loss))
+            engine.step()
+            losses.append(loss.detach().float())
+        return torch.stack(losses).mean(), distinct
+
+    def _stop_requested_locally(self) -> tuple[float, float]:
+        signalled = float(self.exit_handler is not None and self.exit_handler.received is not None)
+        limit = self.args.exit_duration_in_mins
+        timed_out = float(limit is not None and (time.time() - self.start_time) / 60.0 > limit)
+        return signalled, timed_out
+
+    def reduce_step(self, loss: torch.Tensor, distinct: int) -> tuple[float, int, Optional[str]]:
+        """One all-reduce per step: the DP-mean loss, the distinct-id count over all
+        replicas, and whether any rank was signalled / ran out of time."""
+        signalled, timed_out = self._stop_requested_locally()
+        t = torch.tensor([float(loss) if self.reports else 0.0, float(distinct) if self.reports else 0.0,
+                          signalled, timed_out], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        loss_sum, distinct_sum, signalled, timed_out = t.tolist()
+        stop = "signal" if signalled > 0 else "exit duration" if timed_out > 0 else None
+        return loss_sum / self.args.data_parallel_size, int(distinct_sum), stop
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(self, dataset, name: str) -> Optional[float]:
+        """Mean loss over the first --eval-iters global batches of `dataset` (the same
+        batches every time, so evaluations are comparable and resume-safe)."""
+        if dataset is None or len(dataset) == 0:
+            return None
+        args, engine = self.args, self.engine
+        batches = micro_batches(dataset, 0, args, self.device)
+        total, count = 0.0, 0
+        for _ in range(args.eval_iters):
+            if self.is_pipeline:
+                loss = engine.eval_batch(PipelineBatches(batches))
+                total += float(loss)
+                count += 1
+            else:
+                engine.eval()
+                for _ in range(args.gradient_accumulation_steps):
+                    b = next(batches)
+                    total += float(engine(b["tokens"], position_ids=b["position_ids"], labels=b["labels"],
+                                          loss_mask=b["loss_mask"]))
+                    count += 1
+        # Average over data-parallel replicas (every rank of a replica holds the same value).
+        t = torch.tensor([total / count], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.dp_group)
+        loss = t.item() / args.data_parallel_size
+        record = {"iteration": self.state.iteration, "consumed_samples": self.state.consumed_samples,
+                  "consumed_tokens": self.state.consumed_tokens, f"{name}_loss": loss,
+                  f"{name}_ppl": math.exp(min(loss, 50.0))}
+        self.metrics.write(record, self.state.iteration)
+        parallel.print_rank_0(f" {name} | iteration {self.state.iteration:8d} | loss {loss:.6f} | "
+                              f"ppl {record[f'{name}_ppl']:.3f}")
+        return loss
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self) -> None:
+        if not self.args.save or self.last_saved == self.state.iteration:
+            return
+        t0 = time.perf_counter()
+        tag = checkpointing.save_checkpoint(self.engine, self.args.save, self.state.iteration,
+                                            self.state.client_state(self.config), self.config,
+                                            keep_last=self.args.keep_last_checkpoints)
+        self.last_saved = self.state.iteration
+        parallel.print_rank_0(f"saved checkpoint {os.path.join(self.args.save, tag)} "
+                              f"in {time.perf_counter() - t0:.1f}s")
+
+    # ------------------------------------------------------------------ logging
+
+    def log(self, stats: IntervalStats, lr: float, grad_norm: Optional[float]) -> None:
+        """One log line: the interval's mean loss (over applied steps), the last step's lr
+        and grad norm (pre-clipping; inf for a skipped step), speed and memory."""
+        args, st = self.args, self.state
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - stats.start
+        flops = training_flops(self.flops_model, stats.tokens, stats.distinct_tokens)
+        tflops_per_device = flops / elapsed / self.world_size / 1e12
+        record = {
+            "iteration": st.iteration,
+            "consumed_samples": st.consumed_samples,
+            "consumed_tokens": st.consumed_tokens,
+            "loss": stats.loss_sum / stats.loss_count if stats.loss_count else float("nan"),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "step_time_s": elapsed / stats.iterations,
+            "tokens_per_s": stats.tokens / elapsed,
+            "tflops_per_device": tflops_per_device,
+            "mfu": tflops_per_device * 1e12 / self.peak_flops if self.peak_flops else None,
+            "memory_gb": _memory_gb(),
+            "skipped_steps": st.skipped_steps,
+            "skipped_in_interval": stats.skipped,
+        }
+        self.metrics.write(record, st.iteration)
+        if self.rank == 0:
+            mfu = f" | MFU {100 * record['mfu']:.1f}%" if record["mfu"] is not None else ""
+            gn = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
+            print(f" iteration {st.iteration:8d}/{args.train_iters} | tokens {st.consumed_tokens:.4g} | "
+                  f"loss {record['loss']:.6f} | lr {record['lr']:.3e} | grad norm {gn} | "
+                  f"{1000 * record['step_time_s']:.1f} ms/step | {record['tokens_per_s']:.1f} tokens/s | "
+                  f"{tflops_per_device:.3f} TFLOP/s/device{mfu} | mem {record['memory_gb']:.2f} GB | "
+                  f"skipped {st.skipped_steps}", flush=True)
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        args, st = self.args, self.state
+        batches = micro_batches(self.train_ds, st.consumed_samples, args, self.device)
+        stats = IntervalStats()
+        grad_norm = None
+        last_eval = None
+        while st.iteration < args.train_iters:
+            lr = self.engine.get_lr()[0]  # the rate this step uses
+            loss, distinct = self.train_step(batches)
+            applied = self.engine.was_step_applied()
+            grad_norm = self.engine.get_global_grad_norm()
+            grad_norm = float(grad_norm) if grad_norm is not None else None
+            loss_value, distinct_sum, stop = self.reduce_step(loss, distinct)
+            st.iteration += 1
+            st.consumed_samples += args.global_batch_size
+            st.consumed_tokens += args.tokens_per_step
+            stats.iterations += 1
+            stats.tokens += args.tokens_per_step
+            stats.distinct_tokens += distinct_sum
+            if applied and math.isfinite(loss_value):
+                st.consecutive_skipped = 0
+                stats.loss_sum += loss_value
+                stats.loss_count += 1
+            else:
+                st.skipped_steps += 1
+                st.consecutive_skipped += 1
+                stats.skipped += 1
+                parallel.print_rank_0(f"iteration {st.iteration}: non-finite loss ({loss_value}) or gradient "
+                                      f"norm ({grad_norm}); step skipped ({st.consecutive_skipped} in a row)")
+
+            if st.iteration % args.log_interval == 0 or st.iteration == args.train_iters:
+                self.log(stats, lr, grad_norm)
+                stats = IntervalStats()
+
+            if args.max_skipped_steps and st.consecutive_skipped >= args.max_skipped_steps:
+                # Skipped steps never touched the weights: this saves the last good state.
+                self.save()
+                parallel.print_rank_0(
+                    f"megatron_lev.train: error: {st.consecutive_skipped} non-finite steps in a row (iterations "
+                    f"{st.iteration - st.consecutive_skipped + 1}-{st.iteration}, --max-skipped-steps "
+                    f"{args.max_skipped_steps}); weights are those of iteration "
+                    f"{st.iteration - st.consecutive_skipped}" + (f", saved in {args.save}" if args.save else ""))
+                return EXIT_SKIPPED_STEPS
+
+            if args.eval_interval and st.iteration % args.eval_interval == 0:
+                self.evaluate(self.valid_ds, "valid")
+                last_eval = st.iteration
+            if args.save_interval and st.iteration % args.save_interval == 0:
+                self.save()
+            if stop is None and args.exit_interval and st.iteration % args.exit_interval == 0:
+                stop = "exit interval"
+            if stop is not None and st.iteration < args.train_iters:
+                self.save()
+                parallel.print_rank_0(f"exiting at iteration {st.iteration} ({stop})"
+                                      + (f"; resume with --load {args.save}" if args.save else ""))
+                return EXIT_OK
+
+        if last_eval != st.iteration:
+            self.evaluate(self.valid_ds, "valid")
+        self.evaluate(self.test_ds, "test")
+        self.save()
+        parallel.print_rank_0(f"training done: {st.iteration} iterations, {st.consumed_tokens} tokens, "
+                              f"{st.skipped_steps} skipped steps")
+        return EXIT_OK
+
+
+def _memory_gb() -> float:
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+        return peak
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def main(argv=None) -> int:
+    launch = parallel.detect_launch_env()
+    try:
+        args = parse_args(argv)
+        validate_args(args, launch.world_size)
+        ds_config = build_deepspeed_config(args)
+        model_config = build_model_config(args)
+        from megatron_lev.data.datasets import parse_blend
+        from megatron_lev.data.tokenizer import build_tokenizer
+
+        if not os.path.exists(args.tokenizer_model):
+            raise ConfigError(f"--tokenizer-model {args.tokenizer_model}: no such file")
+        # The data must exist before anything slow happens (a typo should not cost a queue wait).
+        for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+            parse_blend(getattr(args, dest), "--" + dest.replace("_", "-"))
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        check_data(args, tokenizer, model_config.vocab_size)
+        config = effective_config(args, model_config.to_dict())
+        config["deepspeed"] = ds_config
+        if args.load:
+            tag = checkpointing.find_latest(args.load)
+            if tag is not None:
+                checkpointing.check_resume_compatible(args.load, tag, config)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        return fail(str(exc), launch.rank)
+
+    parallel.init_distributed()
+    parallel.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    parallel.set_seed(args.seed)
+    if parallel.is_rank_0():
+        print("effective configuration:\n" + format_config(config), flush=True)
+        if args.save:
+            checkpointing.write_run_config(args.save, config)
+    try:  # before the model: a split without documents is a configuration error too
+        datasets = build_datasets(args, tokenizer)
+    except (ValueError, FileNotFoundError) as exc:
+        parallel.destroy_parallel()
+        return fail(str(exc), launch.rank)
+    trainer = Trainer(args, model_config, ds_config, config, datasets)
+    # Only now: a signal during start-up kills the job as usual (nothing new to save, and a
+    # hung start-up must stay killable); from here on it means "checkpoint, then exit 0".
+    if args.exit_signal_handler:
+        trainer.exit_handler = ExitSignalHandler().install()
+    try:
+        code = trainer.run()
+    finally:
+        trainer.metrics.close()
+    parallel.destroy_parallel()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

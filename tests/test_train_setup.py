@@ -1,0 +1,200 @@
+"""The trainer's set-up pieces, in-process: flags over YAML, batch arithmetic, the DeepSpeed
+config, weight-decay groups, the LR schedule, checkpoint bookkeeping, the FLOPs formula."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from megatron_lev import checkpointing
+from megatron_lev.arguments import ConfigError, effective_config, parse_args, validate_args
+from megatron_lev.ds_config import build_deepspeed_config
+from megatron_lev.flops import FlopsModel, peak_flops_per_device, training_flops
+from megatron_lev.optim import WarmupDecaySchedule, param_groups, uses_weight_decay
+
+DATA = ["--data-path", "/nonexistent/prefix", "--tokenizer-type", "SentencePieceTokenizer",
+        "--tokenizer-model", "/nonexistent/spm.model"]
+
+
+def args_for(*flags, world_size=2):
+    return validate_args(parse_args(["--config", "tiny-lev", *DATA, *flags]), world_size)
+
+
+def test_flags_win_over_yaml_over_defaults():
+    args = args_for("--lr", "0.5", "--train-iters", "7", "--num-layers", "3")
+    assert args.lr == 0.5  # flag
+    assert args.weight_decay == 0.1 and args.micro_batch_size == 4  # tiny-lev.yaml training:
+    assert args.adam_eps == 1e-8 and args.zero_stage is None  # built-in defaults
+    assert args.train_iters == 7 and args.lr_decay_iters == 7
+    assert args.model["num_layers"] == 3 and args.model["embedding"] == "lev"
+    assert args.given_flags == sorted(["lr", "train_iters", "num_layers", "data_path", "tokenizer_type",
+                                       "tokenizer_model"])
+    # --train-tokens replaces the YAML's train_iters: ceil(tokens / (global batch x seq)).
+    args = args_for("--train-tokens", "10000")
+    assert args.tokens_per_step == 8 * 64 and args.train_iters == math.ceil(10000 / 512)
+    cfg = effective_config(args)
+    assert cfg["training"]["gradient_accumulation_steps"] == 1 and cfg["model"]["embedding"] == "lev"
+
+
+def test_batch_arithmetic():
+    args = args_for(world_size=2)
+    assert (args.data_parallel_size, args.gradient_accumulation_steps) == (2, 1)
+    args = args_for("--tensor-model-parallel-size", "2", world_size=2)
+    assert (args.data_parallel_size, args.gradient_accumulation_steps) == (1, 2)
+    with pytest.raises(ConfigError) as err:
+        args_for("--global-batch-size", "12", world_size=2)
+    assert str(err.value) == (
+        "--global-batch-size 12 must be a multiple of --micro-batch-size 4 x data-parallel size 2 (= world 2 / "
+        "(--tensor-model-parallel-size 1 x --pipeline-model-parallel-size 1)) = 8")
+    with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size 4 x --pipeline-model-parallel-size 1 = 4 "
+                                          r"does not divide the world size 2"):
+        args_for("--tensor-model-parallel-size", "4", world_size=2)
+
+
+def test_bad_yaml_training_key_names_file_and_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: {embedding: lev}\ntraining: {micro_batch_sise: 4}\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: training.micro_batch_sise is not a flag"):
+        parse_args(["--config", str(path), *DATA])
+
+
+def test_deepspeed_config_filled_from_flags_and_checked(tmp_path):
+    args = args_for("--global-batch-size", "16", "--clip-grad", "0.5", "--bf16", "--zero-stage", "2")
+    ds = build_deepspeed_config(args)
+    assert ds["train_batch_size"] == 16 and ds["train_micro_batch_size_per_gpu"] == 4
+    assert ds["gradient_accumulation_steps"] == 2 and ds["gradient_clipping"] == 0.5
+    assert ds["bf16"] == {"enabled": True} and ds["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert ds["zero_optimization"]["stage"] == 2 and args.deepspeed_config_path.endswith("zero2.json")
+    for name in ("zero1", "zero3", "zero3_offload"):
+        stage = build_deepspeed_config(args_for("--deepspeed-config", name))["zero_optimization"]["stage"]
+        assert stage == (1 if name == "zero1" else 3)
+
+    # PP > 1 needs ZeRO <= 1, and says why.
+    with pytest.raises(ConfigError) as err:
+        build_deepspeed_config(args_for("--pipeline-model-parallel-size", "2", "--zero-stage", "2",
+                                        "--global-batch-size", "4"))
+    assert "--pipeline-model-parallel-size 2 needs ZeRO stage <= 1, got stage 2" in str(err.value)
+    assert "pipeline engine accumulates" in str(err.value)
+
+    # An explicit JSON value must agree with the flag; optimizer sections and stage 0 are refused.
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"train_batch_size": 32, "zero_optimization": {"stage": 1}}))
+    with pytest.raises(ConfigError, match=r"train_batch_size is 32 but --global-batch-size gives 8"):
+        build_deepspeed_config(args_for("--deepspeed-config", str(bad)))
+    bad.write_text(json.dumps({"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 1}}))
+    with pytest.raises(ConfigError, match=r"remove the 'optimizer' section"):
+        build_deepspeed_config(args_for("--deepspeed-config", str(bad)))
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 0}}))
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage 0 is not supported"):
+        build_deepspeed_config(args_for("--deepspeed-config", str(bad)))
+    bad.write_text("{\n  \"bf16\": oops\n}")
+    with pytest.raises(ConfigError, match=r"ds.json:2: invalid JSON"):
+        build_deepspeed_config(args_for("--deepspeed-config", str(bad)))
+
+
+def test_weight_decay_groups_exclude_norms_biases_and_lev_codebooks_layernorm():
+    from megatron_lev.lev import LEVConfig, LEVGenerator
+
+    model = torch.nn.Module()
+    model.embedding = LEVGenerator(LEVConfig(vocab_size=100, hidden_size=8, seed_dim=4, num_heads=2, num_knots=4,
+                                             num_modes=4))
+    model.norm = torch.nn.LayerNorm(8)
+    model.proj = torch.nn.Linear(8, 8)
+    groups = param_groups(model, weight_decay=0.1)
+    decayed = dict(zip(["decay", "no_decay"], groups))
+    assert decayed["decay"]["weight_decay"] == 0.1 and decayed["no_decay"]["weight_decay"] == 0.0
+    assert sorted(decayed["decay"]["param_names"]) == ["embedding.delta", "embedding.w_out", "embedding.w_seed",
+                                                       "proj.weight"]
+    assert sorted(decayed["no_decay"]["param_names"]) == ["embedding.codebooks", "embedding.ln_beta",
+                                                          "embedding.ln_gamma", "norm.bias", "norm.weight",
+                                                          "proj.bias"]
+    # The same rule on the model's (and the pipeline form's) names.
+    assert not uses_weight_decay("3.embedding.codebooks", torch.nn.Parameter(torch.ones(3, 4, 5)))
+    assert uses_weight_decay("tied_modules.embedding.weight", torch.nn.Parameter(torch.ones(4, 5)))
+
+
+def test_lr_schedule_warmup_cosine_linear_constant():
+    s = WarmupDecaySchedule(max_lr=1.0, min_lr=0.1, warmup_iters=4, decay_iters=14, style="cosine")
+    assert [s.lr(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert s.lr(4) == 1.0
+    assert s.lr(9) == pytest.approx(0.55, abs=1e-12)  # halfway: (max + min) / 2
+    assert s.lr(14) == pytest.approx(0.1) and s.lr(100) == pytest.approx(0.1)
+    lin = WarmupDecaySchedule(max_lr=1.0, min_lr=0.0, warmup_iters=0, decay_iters=10, style="linear")
+    assert [lin.lr(i) for i in (0, 5, 10)] == [1.0, 0.5, 0.0]
+    const = WarmupDecaySchedule(max_lr=2.0, min_lr=0.0, warmup_iters=2, decay_iters=10, style="constant")
+    assert [const.lr(i) for i in (0, 1, 2, 50)] == [1.0, 2.0, 2.0, 2.0]
+    # As a LambdaLR its state round-trips (DeepSpeed checkpoints it).
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, s)
+    for _ in range(6):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(s.lr(6))
+    fresh = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
+                                              WarmupDecaySchedule(1.0, 0.0, 0, 1))
+    fresh.load_state_dict(sched.state_dict())
+    assert fresh.last_epoch == 6 and fresh.lr_lambdas[0] == s
+
+
+def _fake_checkpoint(root, iteration, complete=True, config=None):
+    tag = checkpointing.checkpoint_tag(iteration)
+    os.makedirs(root / tag / "rng", exist_ok=True)
+    (root / tag / "mp_rank_00_model_states.pt").write_bytes(b"partial")
+    if config is not None:
+        (root / tag / checkpointing.CONFIG_FILE).write_text(json.dumps(config))
+    if complete:
+        (root / tag / checkpointing.COMPLETE_MARKER).write_text("{}")
+    return tag
+
+
+def test_latest_never_picks_a_half_written_checkpoint_and_pruning(tmp_path):
+    assert checkpointing.find_latest(str(tmp_path / "missing")) is None  # --load of nothing: fresh start
+    assert checkpointing.find_latest(str(tmp_path)) is None
+    for it in (2, 4, 6):
+        _fake_checkpoint(tmp_path, it)
+    (tmp_path / "latest").write_text("iter_0000006")
+    _fake_checkpoint(tmp_path, 8, complete=False)  # killed mid-save
+    assert checkpointing.find_latest(str(tmp_path)) == "iter_0000006"
+    (tmp_path / "latest").write_text("iter_0000008")  # even if `latest` names it
+    with pytest.warns(UserWarning, match="not a complete checkpoint"):
+        assert checkpointing.find_latest(str(tmp_path)) == "iter_0000006"
+    (tmp_path / "latest").unlink()  # died between the marker and `latest`
+    assert checkpointing.find_latest(str(tmp_path)) == "iter_0000006"
+
+    _fake_checkpoint(tmp_path, 1, complete=False)  # debris older than the newest complete one
+    deleted = checkpointing.prune_checkpoints(str(tmp_path), keep_last=2)
+    assert sorted(deleted) == ["iter_0000001", "iter_0000002"]
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000004", "iter_0000006", "iter_0000008"]
+
+
+def test_resume_refuses_a_different_model_naming_the_fields(tmp_path):
+    saved = {"model": {"embedding": "lev", "hidden_size": 64, "num_layers": 2, "init_seed": 1},
+             "training": {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}}
+    tag = _fake_checkpoint(tmp_path, 3, config=saved)
+    same = json.loads(json.dumps(saved))
+    same["model"]["init_seed"] = 5  # only matters before step 1
+    checkpointing.check_resume_compatible(str(tmp_path), tag, same)
+    other = json.loads(json.dumps(saved))
+    other["model"].update(embedding="tied", hidden_size=128)
+    other["training"]["tensor_model_parallel_size"] = 2
+    with pytest.raises(ConfigError) as err:
+        checkpointing.check_resume_compatible(str(tmp_path), tag, other)
+    assert str(err.value) == (
+        f"--load {tmp_path}: checkpoint iter_0000003 was saved with a different model config (embedding: 'lev' in "
+        "the checkpoint, 'tied' now; hidden_size: 64 in the checkpoint, 128 now; tensor_model_parallel_size: 1 in "
+        "the checkpoint, 2 now); resume with the checkpoint's settings or use a new --save directory")
+
+
+def test_flops_formula():
+    m = FlopsModel(num_layers=2, hidden_size=8, ffn_hidden_size=16, kv_width=4, padded_vocab_size=32,
+                   seq_length=10, lev_heads=2, lev_seed_dim=3, lev_knots=4, lev_modes=5)
+    # per layer: qkv 8*(8+2*4)=128, out 64, mlp 3*8*16=384 -> 576; 2 layers + head 8*32=256 -> 1408
+    assert m.matmul_params == 1408
+    assert m.transformer_flops_per_token() == 6 * 1408 + 12 * 2 * 8 * 10
+    assert m.lev_flops_per_distinct_token() == 3 * 2 * (2 * 9 + 2 * 3 * 4 * 5 + 2 * 5 * 8)
+    assert training_flops(m, tokens=100, distinct_tokens=7) == 100 * (6 * 1408 + 1920) + 7 * 3 * 2 * 218
+    table = FlopsModel(2, 8, 16, 4, 32, 10)
+    assert table.lev_flops_per_distinct_token() == 0
+    assert peak_flops_per_device("h100", None) == 989e12 and peak_flops_per_device("a100", 100.0) == 100e12
+    assert peak_flops_per_device(None, None) is None
