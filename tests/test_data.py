@@ -195,7 +195,7 @@ def test_blends_and_per_split_paths(tmp_path, python_corpus, spm_tokenizer, spm)
     assert train2.dataset.path_prefix == topics and valid2.dataset.path_prefix == docstrings
 
 
-def test_missing_data_files_name_the_flag(tiny_dataset, spm, tmp_path):
+def test_bad_data_flags_fail_clearly(tiny_dataset, spm, tmp_path):
     lonely = str(tmp_path / "lonely_text_document")
     shutil.copy(tiny_dataset + ".bin", lonely + ".bin")
     kwargs = dict(seq_length=16, seed=1, train_samples=10, valid_samples=10, test_samples=10, tokenizer=spm)
@@ -205,6 +205,9 @@ def test_missing_data_files_name_the_flag(tiny_dataset, spm, tmp_path):
         build_train_valid_test_datasets(train_data_path=[tiny_dataset], valid_data_path=[lonely], **kwargs)
     with pytest.raises(ValueError, match="exclusive"):
         build_train_valid_test_datasets(data_path=[tiny_dataset], train_data_path=[tiny_dataset], **kwargs)
+    # 500 documents under "969,30,1": the test share rounds to no document (megatron-core would loop forever).
+    with pytest.raises(ValueError, match="--split 969,30,1: the test split of .* gets no document"):
+        build_train_valid_test_datasets(data_path=[tiny_dataset], split="969,30,1", **kwargs)
 
 
 def test_max_token_id_from_stats_and_by_scan(tiny_dataset, corpus_texts, spm, tmp_path):

@@ -111,7 +111,6 @@ class BlockResult:
     nbytes: int
     documents: int = 0
     tokens: int = 0
-    max_token_id: int = -1
     bad_counts: collections.Counter = field(default_factory=collections.Counter)
     bad_examples: list[BadCase] = field(default_factory=list)
     # subset (None without --split-by-key) -> shard prefix per key, and per-output stats
@@ -160,7 +159,6 @@ def encode_block(index: int, block: Block, opts: EncodeOptions, tokenizer=None) 
             for builder, prefix in zip(key_builders, result.shards[subset]):
                 builder.finalize(get_idx_path(prefix))
     result.tokens = sum(tokens for _, tokens, _ in result.shard_stats.values())
-    result.max_token_id = max((highest for _, _, highest in result.shard_stats.values()), default=-1)
     return result
 
 
