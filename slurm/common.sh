@@ -85,6 +85,8 @@ setup_python_env() {
         source "$venv/bin/activate"
     fi
     command -v python >/dev/null || die "no python on PATH: set VENV, or load your environment in SITE_ENV"
+    # The code of this checkout is what runs, installed or not.
+    export PYTHONPATH=$MEGATRON_LEV_DIR${PYTHONPATH:+:$PYTHONPATH}
 }
 
 # DATA_PATH is a Megatron blend: "PREFIX", "W1 PREFIX1 W2 PREFIX2 ..." or
@@ -111,18 +113,40 @@ job_hosts() {
     fi
 }
 
-# Per-GPU defaults. Sizing for the 1.2B configs (README "Running on a Slurm cluster"):
-# with ZeRO-1 the weights, gradients and Adam states of 1.2B parameters take well
-# under 20 GB per GPU at TP=1, so tensor parallelism would only add communication;
-# the micro batch is what the activations at sequence length 2048 allow.
+# The run's sequence length: SEQ_LENGTH (then passed as --seq-length), else the
+# config's. Reading the config also fails early, and clearly, on a bad CONFIG.
+resolve_seq_length() {
+    if [[ -n ${SEQ_LENGTH:-} ]]; then
+        require_int SEQ_LENGTH "$SEQ_LENGTH" 1
+        return 0
+    fi
+    SEQ_LENGTH=$(python - "$CONFIG" <<'PY'
+import sys
+from megatron_lev.configs import load_config
+try:
+    config = load_config(sys.argv[1])
+except (FileNotFoundError, ValueError) as exc:
+    sys.exit(f"slurm: error: CONFIG={sys.argv[1]}: {exc}")
+print((config.get("training") or {}).get("seq_length") or config["model"]["seq_length"])
+PY
+    ) || exit 1
+    CONFIG_SEQ_LENGTH=1
+}
+
+# Per-GPU defaults, sized for the 1.2B configs (README "Running on a Slurm cluster"):
+# under ZeRO-1 the weights, gradients and Adam states of 1.2B parameters take 10-14 GB
+# per GPU at TP=1, so tensor parallelism would only add communication; the micro batch
+# is what the activations allow, about 5.6 GB per 2048-token sequence (tokens per GPU
+# per micro-batch below, divided by the sequence length).
 gpu_defaults() {
+    local tokens
     case $GPU_TYPE in
-        h100) : "${TP:=1}" "${MICRO_BATCH:=8}" ;;  # 80 GB HBM3
-        h200) : "${TP:=1}" "${MICRO_BATCH:=8}" ;;  # 141 GB HBM3e
-        a100) : "${TP:=1}" "${MICRO_BATCH:=4}" ;;  # 80 GB (use MICRO_BATCH=2 on 40 GB cards)
+        a100) tokens=8192 ;;   # 40 or 80 GB
+        h100) tokens=16384 ;;  # 80 GB
+        h200) tokens=32768 ;;  # 141 GB
         *) die "GPU_TYPE=$GPU_TYPE: expected a100, h100 or h200" ;;
     esac
-    : "${PP:=1}"
+    : "${TP:=1}" "${PP:=1}" "${MICRO_BATCH:=$((tokens / SEQ_LENGTH > 0 ? tokens / SEQ_LENGTH : 1))}"
 }
 
 # NCCL / CUDA defaults that are right on any cluster. Each can be overridden from the
@@ -161,6 +185,7 @@ build_commands() {
         --pipeline-model-parallel-size "$PP"
         --micro-batch-size "$MICRO_BATCH"
     )
+    [[ -n ${CONFIG_SEQ_LENGTH:-} ]] || train_args+=(--seq-length "$SEQ_LENGTH")
     [[ -n ${GLOBAL_BATCH:-} ]] && train_args+=(--global-batch-size "$GLOBAL_BATCH")
     [[ -n ${TRAIN_TOKENS:-} ]] && train_args+=(--train-tokens "$TRAIN_TOKENS")
     [[ -n ${TRAIN_ITERS:-} ]] && train_args+=(--train-iters "$TRAIN_ITERS")
@@ -248,6 +273,7 @@ launch_training() {
     [[ -z ${TEST_DATA_PATH:-} ]] || check_blend TEST_DATA_PATH "$TEST_DATA_PATH"
 
     : "${GPU_TYPE:=h100}"
+    resolve_seq_length
     gpu_defaults
     : "${NODES:=${SLURM_JOB_NUM_NODES:-1}}"
     : "${GPUS_PER_NODE:=${SLURM_GPUS_ON_NODE:-8}}"
@@ -303,7 +329,8 @@ launch_training() {
         echo "srun command: $(print_cmd "${srun_cmd[@]}")"
     } | tee -a "$JOB_LOG_DIR/launch.log"
 
-    local rc=0
+    local rc=0 resumed_from
+    resumed_from=$(latest_iteration)
     if ((REQUEUE == 0 && TERMINATED == 0)); then  # a signal may arrive before the launch
         # In the background so that the traps run while the step is running; stdin
         # from /dev/null so srun does not hold the batch shell's.
@@ -317,7 +344,16 @@ launch_training() {
             wait "$STEP_PID" || rc=$?
         done
     fi
-    log "job step exited with status $rc; latest checkpoint: $(latest_iteration)" | tee -a "$JOB_LOG_DIR/launch.log"
+    {
+        log "job step exited with status $rc; latest checkpoint: $(latest_iteration)"
+        if ((REQUEUE == 1)); then
+            # torchrun exits 1 (SignalException) after passing a signal on, even when every
+            # trainer checkpointed and exited 0; the trainers' own lines are in the node logs.
+            log "(a non-zero status is expected after USR1: torchrun reports the signal it forwarded)"
+            [[ $(latest_iteration) != "$resumed_from" ]] \
+                || log "warning: no new checkpoint since $resumed_from; see $JOB_LOG_DIR/restart$RESTART-node*.log"
+        fi
+    } | tee -a "$JOB_LOG_DIR/launch.log"
 
     if ((REQUEUE == 1 && TERMINATED == 0)); then
         if ((RESTART >= MAX_REQUEUES)); then

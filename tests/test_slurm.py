@@ -3,11 +3,14 @@
 (tests/slurm_shims/), including USR1 -> checkpoint -> requeue -> resume."""
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +24,7 @@ SHIMS = Path(__file__).resolve().parent / "slurm_shims"
 SCRIPT_VARS = (
     "NODES GPUS_PER_NODE GPU_TYPE TP PP MICRO_BATCH GLOBAL_BATCH TRAIN_TOKENS TRAIN_ITERS CONFIG "
     "DATA_PATH VALID_DATA_PATH TEST_DATA_PATH TOKENIZER_TYPE TOKENIZER_MODEL CHECKPOINT_DIR "
-    "TENSORBOARD_DIR DEEPSPEED_CONFIG SAVE_INTERVAL LOG_INTERVAL BF16 EXTRA_ARGS DRY_RUN LOG_ROOT "
+    "SEQ_LENGTH TENSORBOARD_DIR DEEPSPEED_CONFIG SAVE_INTERVAL LOG_INTERVAL BF16 EXTRA_ARGS DRY_RUN LOG_ROOT "
     "SITE_ENV VENV MAX_REQUEUES SHUTDOWN_TIMEOUT MASTER_ADDR MASTER_PORT MEGATRON_LEV_DIR "
     "PILE_DIR OUTPUT_DIR WORKERS FORCE"
 ).split()
@@ -83,8 +86,8 @@ def test_dry_run_prints_each_node_command(fake_inputs):
     """4 A100 nodes inside an allocation: MASTER_ADDR is the first host, the port comes
     from the job id, every node runs the same torchrun with the requested sizes."""
     proc = run_script(
-        "train_lev_1b.sh", DRY_RUN=1, GPU_TYPE="a100", TP=2, PP=2, GLOBAL_BATCH=512,
-        TRAIN_TOKENS="2.4e10", EXTRA_ARGS="--lr 3e-4 --seq-length 2048",
+        "train_lev_1b.sh", DRY_RUN=1, GPU_TYPE="a100", TP=2, PP=2, GLOBAL_BATCH=512, SEQ_LENGTH=2048,
+        TRAIN_TOKENS="2.4e10", EXTRA_ARGS="--lr 3e-4 --eval-interval 500",
         SLURM_JOB_ID=123456, SLURM_JOB_NUM_NODES=4, SLURM_JOB_NODELIST="gpu[07-09,12]",
         SLURM_JOB_NAME="lev-1.2b", SLURM_CPUS_ON_NODE=96,
         **{k: v for k, v in fake_inputs.items() if k != "prefixes"})
@@ -113,7 +116,8 @@ def test_dry_run_prints_each_node_command(fake_inputs):
     assert flag(cmd, "--config") == ["lev-1.2b"]
     assert flag(cmd, "--tensor-model-parallel-size") == ["2"]
     assert flag(cmd, "--pipeline-model-parallel-size") == ["2"]
-    assert flag(cmd, "--micro-batch-size") == ["4"]  # the a100 default
+    assert flag(cmd, "--micro-batch-size") == ["4"]  # the a100 default at 2048 tokens
+    assert flag(cmd, "--seq-length") == ["2048"]
     assert flag(cmd, "--global-batch-size") == ["512"]
     assert flag(cmd, "--train-tokens") == ["2.4e10"]
     a, b = fake_inputs["prefixes"]
@@ -123,7 +127,7 @@ def test_dry_run_prints_each_node_command(fake_inputs):
     assert flag(cmd, "--save") == flag(cmd, "--load") == [fake_inputs["CHECKPOINT_DIR"]]
     assert flag(cmd, "--deepspeed-config") == [str(REPO / "deepspeed_configs" / "zero1.json")]
     assert flag(cmd, "--gpu-type") == ["a100"] and "--bf16" in cmd
-    assert cmd[-4:] == ["--lr", "3e-4", "--seq-length", "2048"]
+    assert cmd[-4:] == ["--lr", "3e-4", "--eval-interval", "500"]
     assert "export CUDA_DEVICE_MAX_CONNECTIONS='1'" in lines
     assert not Path(fake_inputs["CHECKPOINT_DIR"]).exists()  # a dry run creates nothing
 
@@ -140,7 +144,9 @@ def test_dry_run_defaults_outside_slurm(fake_inputs):
     cmd = torchruns[0]
     assert flag(cmd, "--config") == ["tied-1.2b"]
     assert flag(cmd, "--nnodes") == ["2"] and flag(cmd, "--rdzv-endpoint") == ["node0:10000"]
-    assert flag(cmd, "--tensor-model-parallel-size") == ["1"] and flag(cmd, "--micro-batch-size") == ["8"]
+    # The config's sequence length (512) is kept, and sets the h100 micro batch.
+    assert flag(cmd, "--tensor-model-parallel-size") == ["1"] and flag(cmd, "--micro-batch-size") == ["32"]
+    assert "--seq-length" not in cmd
     assert flag(cmd, "--train-data-path") == [a] and flag(cmd, "--valid-data-path") == [b]
     assert "--data-path" not in cmd and "--no-bf16" in cmd and flag(cmd, "--gpu-type") == ["h100"]
     assert flag(cmd, "--save") == [str(REPO / "checkpoints" / "tied-1.2b")]
@@ -153,6 +159,7 @@ def test_dry_run_defaults_outside_slurm(fake_inputs):
     ({"DATA_PATH": "0.5 {a} 0.5 /nonexistent/pile_07"}, "dataset prefix '/nonexistent/pile_07' has no"),
     ({"TP": 3}, "TP=3 x PP=1 must divide the 8 GPUs"),
     ({"GPU_TYPE": "v100"}, "GPU_TYPE=v100: expected a100, h100 or h200"),
+    ({"CONFIG": "lev-9b"}, "CONFIG=lev-9b: --config lev-9b: no such file, and not a packaged config"),
     ({"MICRO_BATCH": "four"}, "MICRO_BATCH=four is not a non-negative integer"),
     ({"TRAIN_ITERS": 10, "TRAIN_TOKENS": 1000}, "set TRAIN_TOKENS or TRAIN_ITERS, not both"),
     ({"NODES": 2, "SLURM_JOB_NUM_NODES": 4, "SLURM_JOB_ID": 7, "SLURM_JOB_NODELIST": "n[1-4]"},
@@ -238,3 +245,139 @@ def test_make_blend(tmp_path):
         make_blend.find_prefixes([str(train / "pile_09")])
     with pytest.raises(SystemExit, match="no \\*.idx files"):
         make_blend.find_prefixes([str(tmp_path)])
+
+
+# --------------------------------------------------------------------------- a real run
+
+
+def _free_port_below(limit: int) -> int:
+    from tests.distributed import free_port
+
+    for _ in range(100):
+        port = free_port()
+        if 10000 <= port < limit:
+            return port
+    raise RuntimeError(f"no free port in [10000, {limit})")
+
+
+def _training_records(metrics: Path) -> list[dict]:
+    if not metrics.exists():
+        return []
+    records = []
+    for line in metrics.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the line being written
+            continue
+        if "loss" in record:
+            records.append(record)
+    return records
+
+
+class BatchJob:
+    """slurm/train_lev_1b.sh started the way sbatch starts it: bash running the script
+    with the job's environment, its output in a file."""
+
+    def __init__(self, env: dict, out: Path):
+        self.out, self.log_root = out, Path(env["LOG_ROOT"])
+        with open(out, "w") as f:
+            self.proc = subprocess.Popen(["bash", str(SLURM / "train_lev_1b.sh")], env=env, cwd=REPO,
+                                         stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def logs(self) -> str:
+        """The batch output and the tail of each node log, for failure messages."""
+        text = f"--- batch output\n{self.out.read_text()}"
+        for path in sorted(self.log_root.glob("*/restart*-node*.log")):
+            text += f"\n--- {path.name} (tail)\n" + "\n".join(path.read_text().splitlines()[-30:])
+        return text
+
+    def wait_until(self, predicate, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return
+            if self.proc.poll() is not None:
+                pytest.fail(f"the batch script exited ({self.proc.returncode}) before {what}\n{self.logs()}")
+            time.sleep(0.2)
+        pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{self.logs()}")
+
+    def finish(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the batch script did not exit within {timeout:.0f}s of USR1\n{self.logs()}")
+
+    def kill(self) -> None:
+        """Failure path: stop the whole job (TERM reaches the trainer through torchrun)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def test_train_lev_1b_runs_checkpoints_on_usr1_requeues_and_resumes(tmp_path, tiny_dataset, spm_tokenizer):
+    """1 node x 2 CPU processes (TP=2) through the srun/scontrol shims: train, USR1 to the
+    batch shell -> checkpoint at the next step, exit 0, `scontrol requeue`; the requeued
+    job (same id, SLURM_RESTART_COUNT=1) resumes from that checkpoint; USR1 again."""
+    from megatron_lev.checkpointing import find_latest
+
+    port = _free_port_below(60000)
+    job_id = port - 10000  # common.sh derives MASTER_PORT = 10000 + job id % 50000
+    ckpt, logs, requeues = tmp_path / "ckpt", tmp_path / "logs", tmp_path / "requeues"
+    train_iters, save_interval = 2000, 5  # far more steps than the test lets it take
+    env = script_env(
+        SLURM_JOB_ID=job_id, SLURM_JOB_NUM_NODES=1, SLURM_JOB_NODELIST="localhost",
+        SLURM_JOB_NAME="lev-test", SLURM_SUBMIT_DIR=REPO, SCONTROL_SHIM_LOG=requeues,
+        DS_ACCELERATOR="cpu", CONFIG="tiny-lev", GPUS_PER_NODE=2, TP=2, MICRO_BATCH=2, GLOBAL_BATCH=4,
+        TRAIN_ITERS=train_iters, SAVE_INTERVAL=save_interval, LOG_INTERVAL=1, BF16=0, GPU_TYPE="h100",
+        DATA_PATH=tiny_dataset, TOKENIZER_MODEL=spm_tokenizer, CHECKPOINT_DIR=ckpt, LOG_ROOT=logs,
+        EXTRA_ARGS="--split 90,8,2 --eval-interval 100000 --eval-iters 1")
+    metrics = ckpt / "metrics.jsonl"
+    job_logs = logs / f"lev-test-{job_id}"
+
+    # First run: a few steps and a periodic checkpoint, then the time-limit signal.
+    job = BatchJob(env, tmp_path / "run0.out")
+    try:
+        job.wait_until(lambda: find_latest(str(ckpt)) is not None, 400, "the first checkpoint")
+        job.proc.send_signal(signal.SIGUSR1)
+        rc = job.finish(300)
+    finally:
+        job.kill()
+    out = job.out.read_text()
+    assert rc == 0, job.logs()
+    assert requeues.read_text().splitlines() == [f"requeue {job_id}"], job.logs()
+    first = _training_records(metrics)
+    stopped_at = first[-1]["iteration"]
+    assert save_interval <= stopped_at < train_iters
+    assert find_latest(str(ckpt)) == f"iter_{stopped_at:07d}"  # the last step taken was saved
+    assert (ckpt / "latest").read_text().strip() == f"iter_{stopped_at:07d}"
+    assert f"requeueing job {job_id}" in out and "USR1" in out
+    node_log = (job_logs / "restart0-node0.log").read_text()
+    assert f"exiting at iteration {stopped_at} (signal)" in node_log
+
+    # The requeued job: same id, same command; it must resume, not restart.
+    env["SLURM_RESTART_COUNT"] = "1"
+    job = BatchJob(env, tmp_path / "run1.out")
+    try:
+        job.wait_until(lambda: any(r["iteration"] >= stopped_at + 3 for r in _training_records(metrics)),
+                       400, f"iteration {stopped_at + 3} after the resume")
+        job.proc.send_signal(signal.SIGUSR1)
+        rc = job.finish(300)
+    finally:
+        job.kill()
+    assert rc == 0, job.logs()
+    assert requeues.read_text().splitlines() == [f"requeue {job_id}"] * 2
+    records = _training_records(metrics)
+    second_stop = records[-1]["iteration"]
+    assert second_stop >= stopped_at + 3
+    # One record per iteration 1..second_stop: the second run continued at stopped_at + 1.
+    assert [r["iteration"] for r in records] == list(range(1, second_stop + 1))
+    assert [r["consumed_samples"] for r in records] == [4 * i for i in range(1, second_stop + 1)]
+    assert records[:stopped_at] == first
+    assert find_latest(str(ckpt)) == f"iter_{second_stop:07d}"
+    launch_log = (job_logs / "launch.log").read_text()
+    assert f"restart 1 on localhost; resuming from checkpoint: iter_{stopped_at:07d}" in launch_log
+    assert (job_logs / "restart1-node0.log").exists()
