@@ -41,6 +41,9 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import zstandard
 
+from megatron_lev.data import python_text
+from megatron_lev.data.python_text import DEFAULT_PYTHON_SOURCES, PYTHON_SOURCES, check_sources
+
 # Suffixes read as JSON lines. Megatron's own examples call loose-JSON-lines files ".json".
 INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.zst", ".json.zst", ".jsonl.gz", ".json.gz")
 BAD_KINDS = ("malformed_json", "missing_key", "non_string_key", "invalid_utf8", "empty_document",
@@ -373,9 +376,6 @@ def write_jsonl(path: str, records: Iterable[dict], level: int = 3) -> int:
 # ---------------------------------------------------------------------------------------
 # A real-text corpus from Python itself
 
-PYTHON_SOURCES = ("pydoc_topics", "stdlib_docstrings", "stdlib_source")
-DEFAULT_PYTHON_SOURCES = ("pydoc_topics", "stdlib_docstrings")
-
 
 def python_corpus_records(sources: Sequence[str] = DEFAULT_PYTHON_SOURCES, max_documents: int | None = None,
                           min_chars: int = 32) -> Iterator[dict]:
@@ -384,10 +384,8 @@ def python_corpus_records(sources: Sequence[str] = DEFAULT_PYTHON_SOURCES, max_d
     The documents come from `python_text.py` run in a fresh interpreter (-I -S): the same
     documents whatever this process imported, and no import side effects here.
     """
-    unknown = set(sources) - set(PYTHON_SOURCES)
-    if unknown:
-        raise ValueError(f"unknown corpus source(s) {sorted(unknown)}; choose from {PYTHON_SOURCES}")
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "python_text.py")
+    check_sources(sources)
+    script = python_text.__file__
     cmd = [sys.executable, "-I", "-S", script, "--sources", *sources, "--min-chars", str(min_chars)]
     with tempfile.TemporaryFile() as errors, \
             subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors) as proc:

@@ -25,6 +25,7 @@ import sysconfig
 import warnings
 
 PYTHON_SOURCES = ("pydoc_topics", "stdlib_docstrings", "stdlib_source")
+DEFAULT_PYTHON_SOURCES = ("pydoc_topics", "stdlib_docstrings")
 
 # Modules whose import has side effects (opens a browser, prints, touches the terminal,
 # needs a display) or that are platform stubs, tests, or deprecated shims.
@@ -116,11 +117,15 @@ def module_docstrings(module):
                     yield f"{name}.{attr}.{member}", doc
 
 
-def python_documents(sources=PYTHON_SOURCES[:2], min_chars=32):
-    """(pile_set_name, text) for each document, in a fixed order."""
+def check_sources(sources):
     unknown = set(sources) - set(PYTHON_SOURCES)
     if unknown:
         raise ValueError(f"unknown corpus source(s) {sorted(unknown)}; choose from {PYTHON_SOURCES}")
+
+
+def python_documents(sources=DEFAULT_PYTHON_SOURCES, min_chars=32):
+    """(pile_set_name, text) for each document, in a fixed order."""
+    check_sources(sources)
     if "pydoc_topics" in sources:
         from pydoc_data.topics import topics
 
@@ -152,7 +157,7 @@ def python_documents(sources=PYTHON_SOURCES[:2], min_chars=32):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sources", nargs="+", default=list(PYTHON_SOURCES[:2]), choices=PYTHON_SOURCES)
+    parser.add_argument("--sources", nargs="+", default=list(DEFAULT_PYTHON_SOURCES), choices=PYTHON_SOURCES)
     parser.add_argument("--min-chars", type=int, default=32)
     args = parser.parse_args()
     out = io.TextIOWrapper(sys.stdout.buffer, encoding="utf-8", newline="\n", write_through=False)
