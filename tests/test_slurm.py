@@ -381,3 +381,26 @@ def test_train_lev_1b_runs_checkpoints_on_usr1_requeues_and_resumes(tmp_path, ti
     launch_log = (job_logs / "launch.log").read_text()
     assert f"restart 1 on localhost; resuming from checkpoint: iter_{stopped_at:07d}" in launch_log
     assert (job_logs / "restart1-node0.log").exists()
+
+
+def test_preprocess_pile_task_runs_preprocess_data(tmp_path, python_corpus, spm_tokenizer):
+    """One real array task: the script's command line is one tools/preprocess_data.py
+    accepts; a finished task is skipped when the array is resubmitted; make_blend.py
+    turns the outputs into the blend."""
+    pile, out = tmp_path / "pile", tmp_path / "tok"
+    (pile / "train").mkdir(parents=True)
+    (pile / "train" / "00.jsonl.zst").symlink_to(python_corpus)
+    env = {"PILE_DIR": pile, "OUTPUT_DIR": out, "TOKENIZER_MODEL": spm_tokenizer,
+           "SLURM_ARRAY_TASK_ID": 0, "SLURM_CPUS_PER_TASK": 1}
+    proc = run_script("preprocess_pile.sh", timeout=300, **env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    prefix = out / "train" / "pile_00_text_document"
+    assert prefix.with_suffix(".bin").stat().st_size > 0 and prefix.with_suffix(".idx").is_file()
+
+    proc = run_script("preprocess_pile.sh", **env)
+    assert proc.returncode == 0 and f"{prefix}.idx exists, skipping" in proc.stdout
+
+    blend = subprocess.run([sys.executable, str(REPO / "tools" / "make_blend.py"), str(out / "train")],
+                           capture_output=True, text=True, timeout=300)
+    assert blend.returncode == 0, blend.stderr
+    assert blend.stdout.split() == ["1", str(prefix)]
