@@ -25,12 +25,12 @@ setup(
         "tensorboard>=2.14",
     ],
     extras_require={
-        "hf": ["transformers>=4.45", "safetensors>=0.4"],
+        "hf": ["transformers>=5.0", "safetensors>=0.4", "protobuf>=3.20"],  # protobuf: SentencePiece -> tokenizer.json
         "eval": ["transformers>=4.45", "safetensors>=0.4", "lm-eval>=0.4.5", "accelerate>=0.26", "matplotlib>=3.7"],
         "plots": ["matplotlib>=3.7"],
         "wandb": ["wandb"],
         "mpi": ["mpi4py>=3.1"],
-        "test": ["pytest>=8", "transformers>=4.45", "safetensors>=0.4", "matplotlib>=3.7", "lm-eval>=0.4.5",
+        "test": ["pytest>=8", "transformers>=5.0", "safetensors>=0.4", "protobuf>=3.20", "matplotlib>=3.7", "lm-eval>=0.4.5",
                  "accelerate>=0.26"],  # lm-eval's HF model class imports accelerate
     },
     entry_points={"console_scripts": ["megatron-lev-train=megatron_lev.train:main"]},

@@ -1,0 +1,379 @@
+"""Checkpoint conversion between parallel layouts, through one *full* state dict.
+
+A full state dict holds every parameter of `LeviathanModel` (model.py) under its plain name
+(`layers.3.attention.qkv.weight`, ...) as one whole tensor, with the vocabulary unpadded
+(`embedding.weight` / `output_layer.weight` have `vocab_size` rows). It does not depend on
+TP, PP or ZeRO, so it is the meeting point of every conversion:
+
+    training checkpoint (any TP, PP, ZeRO stage)  --read_checkpoint-->  full state dict
+    full state dict  --shard_for_rank / load_full_state_dict-->  a model at any TP / PP
+    full state dict  <-->  Hugging Face (megatron_lev/hf/export.py)
+
+How each parameter is split over tensor-parallel ranks is `partition_of` below, the table of
+model.py's docstring: column-parallel weights along dim 0 (gate_up with megatron's stride 2),
+row-parallel ones along dim 1, LEV heads along dim 0, vocabulary tables along dim 0 with
+padding, the rest replicated. Replicated tensors must be identical on every TP rank; a
+checkpoint where they are not is refused (it would mean the ranks trained different models).
+
+Checkpoint layouts read (written by `megatron_lev.train` through DeepSpeed, see checkpointing.py):
+
+    plain     PP = 1, ZeRO 1/2   mp_rank_{tp:02d}_model_states.pt, "module" = the rank's state dict
+    zero3     PP = 1, ZeRO 3     zero_pp_rank_{dp}_mp_rank_{tp:02d}_{model,optim}_states.pt: the fp32
+                                 weights are rebuilt from the optimizer partitions with DeepSpeed's
+                                 zero_to_fp32, one tensor-parallel rank at a time
+    pipeline  PP > 1             layer_{index:02d}-model_{tp:02d}-model_states.pt, one file per pipeline
+                                 layer and TP rank (pipeline.py maps the names)
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from megatron_lev import checkpointing
+from megatron_lev.lev import HEAD_SHARDED_PARAMETERS, REPLICATED_PARAMETERS
+from megatron_lev.model import LeviathanConfig, model_config_from_dict, pad_vocab_size
+
+
+# Where model.py's LEV embedding (lev_parallel.ParallelLEVEmbedding) keeps the generator's parameters.
+LEV_PREFIX = "embedding.generator."
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be converted; the message names the file or directory."""
+
+
+# --------------------------------------------------------------------------- partitions
+
+
+@dataclass(frozen=True)
+class Partition:
+    """How one parameter is split over tensor-parallel ranks.
+
+    dim None: replicated. stride 2: megatron's strided split of a fused [a; b] weight, where
+    rank r holds [a_r; b_r]. vocab: the rows are the (padded) vocabulary.
+    """
+
+    dim: Optional[int]
+    stride: int = 1
+    vocab: bool = False
+
+
+REPLICATED = Partition(None)
+_LAYER_PARTITIONS = {
+    "input_norm.weight": REPLICATED,
+    "attention.qkv.weight": Partition(0),
+    "attention.out_proj.weight": Partition(1),
+    "mlp_norm.weight": REPLICATED,
+    "mlp.gate_up.weight": Partition(0, stride=2),
+    "mlp.down.weight": Partition(1),
+}
+_LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def is_extra_state(name: str) -> bool:
+    """megatron-core's `_extra_state` entries (None for our layers): not weights, never converted."""
+    return name.endswith("._extra_state") or name == "_extra_state"
+
+
+def partition_of(name: str, embedding: str) -> Partition:
+    """The TP partition of a LeviathanModel parameter (model.py's docstring table)."""
+    match = _LAYER_KEY.match(name)
+    if match and match.group(2) in _LAYER_PARTITIONS:
+        return _LAYER_PARTITIONS[match.group(2)]
+    if name == "final_norm.weight":
+        return REPLICATED
+    if name == "output_layer.weight" and embedding != "tied":
+        return Partition(0, vocab=True)
+    if embedding == "lev" and name.startswith(LEV_PREFIX):
+        param = name[len(LEV_PREFIX):]
+        if param in HEAD_SHARDED_PARAMETERS:
+            return Partition(0)
+        if param in REPLICATED_PARAMETERS:
+            return REPLICATED
+    if embedding != "lev" and name == "embedding.weight":
+        return Partition(0, vocab=True)
+    raise CheckpointError(f"unknown parameter {name!r} for an embedding={embedding!r} model: the checkpoint "
+                          "does not come from this version of megatron_lev.model")
+
+
+def expected_parameter_names(config: LeviathanConfig) -> list[str]:
+    """Every parameter name of a LeviathanModel with this config (what a full state dict holds)."""
+    if config.embedding == "lev":
+        names = [LEV_PREFIX + p for p in (*REPLICATED_PARAMETERS, *HEAD_SHARDED_PARAMETERS)]
+    else:
+        names = ["embedding.weight"]
+    for i in range(config.num_layers):
+        names += [f"layers.{i}.{suffix}" for suffix in _LAYER_PARTITIONS]
+    names.append("final_norm.weight")
+    if config.embedding != "tied":
+        names.append("output_layer.weight")
+    return names
+
+
+def _split_strided(t: torch.Tensor, dim: int, stride: int) -> list[torch.Tensor]:
+    return list(t.chunk(stride, dim=dim))
+
+
+def merge_tp_shards(name: str, shards: list[torch.Tensor], part: Partition, source: str,
+                    replicated_atol: float = 0.0) -> torch.Tensor:
+    """TP rank shards of one parameter -> the whole tensor (padding rows still in)."""
+    if part.dim is None:
+        for rank, shard in enumerate(shards[1:], start=1):
+            if shard.shape != shards[0].shape or not torch.allclose(shard, shards[0], rtol=0, atol=replicated_atol):
+                diff = ((shard.float() - shards[0].float()).abs().max().item()
+                        if shard.shape == shards[0].shape else f"shapes {tuple(shards[0].shape)} vs {tuple(shard.shape)}")
+                raise CheckpointError(
+                    f"{source}: replicated parameter {name} differs between tensor-parallel ranks 0 and {rank} "
+                    f"(max |diff| {diff}): the ranks did not train one model")
+        return shards[0]
+    if part.stride == 1:
+        return torch.cat(shards, dim=part.dim)
+    pieces = [_split_strided(s, part.dim, part.stride) for s in shards]
+    return torch.cat([torch.cat([p[k] for p in pieces], dim=part.dim) for k in range(part.stride)], dim=part.dim)
+
+
+def split_for_tp(full: torch.Tensor, part: Partition, tp: int, rank: int) -> torch.Tensor:
+    """The whole tensor -> TP rank `rank`'s shard (inverse of merge_tp_shards)."""
+    if part.dim is None:
+        return full
+    if full.shape[part.dim] % (tp * part.stride):
+        raise CheckpointError(f"dim {part.dim} of size {full.shape[part.dim]} cannot be split over "
+                              f"{tp} tensor-parallel ranks (stride {part.stride})")
+    if part.stride == 1:
+        return full.chunk(tp, dim=part.dim)[rank]
+    return torch.cat([piece.chunk(tp, dim=part.dim)[rank] for piece in _split_strided(full, part.dim, part.stride)],
+                     dim=part.dim)
+
+
+def trim_vocab(t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return t[:vocab_size].clone() if t.shape[0] > vocab_size else t
+
+
+def pad_vocab(t: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
+    """Append zero rows (model.py keeps padding rows at zero; their logits are masked to -inf)."""
+    if t.shape[0] > padded_vocab_size:
+        raise CheckpointError(f"a vocabulary table of {t.shape[0]} rows does not fit the padded vocabulary "
+                              f"{padded_vocab_size}")
+    if t.shape[0] == padded_vocab_size:
+        return t
+    return torch.cat([t, t.new_zeros(padded_vocab_size - t.shape[0], *t.shape[1:])])
+
+
+def shard_for_rank(full: dict[str, torch.Tensor], config: LeviathanConfig, tp_rank: int) -> dict[str, torch.Tensor]:
+    """The TP rank's slice of every tensor of a full state dict, vocabulary padded for
+    `config`'s TP size (LeviathanModel names)."""
+    tp = config.tensor_model_parallel_size
+    out = {}
+    for name, tensor in full.items():
+        part = partition_of(name, config.embedding)
+        if part.vocab:
+            tensor = pad_vocab(tensor, config.padded_vocab_size)
+        out[name] = split_for_tp(tensor, part, tp, tp_rank)
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(module: torch.nn.Module, full: dict[str, torch.Tensor], config: LeviathanConfig,
+                         tp_rank: int, to_model_key: Callable[[str], str] = lambda name: name) -> None:
+    """Copy this TP rank's slices of a full state dict into `module`'s parameters.
+
+    `module` is a LeviathanModel, or a pipeline stage (`to_model_key` maps its names to
+    LeviathanModel names, e.g. `lambda n: pipeline_to_model_key(n, num_layers)`). Every
+    parameter of the module must be found, with the right shape.
+    """
+    shards = shard_for_rank(full, config, tp_rank)
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if is_extra_state(name):
+            continue
+        key = to_model_key(name)
+        if key not in shards:
+            raise CheckpointError(f"the state dict has no {key!r} (module parameter {name!r})")
+        if shards[key].shape != tensor.shape:
+            raise CheckpointError(f"{key}: the state dict gives shape {tuple(shards[key].shape)} for TP rank "
+                                  f"{tp_rank}, the module has {tuple(tensor.shape)}")
+        tensor.copy_(shards[key])
+
+
+# --------------------------------------------------------------------------- reading checkpoints
+
+
+@dataclass
+class CheckpointInfo:
+    """What a training checkpoint is: where, which iteration, which model and layout."""
+
+    load_dir: str
+    tag: str
+    iteration: int
+    config: dict  # the effective run configuration (checkpointing.CONFIG_FILE)
+    model_section: dict  # resolved YAML `model:` section
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    zero_stage: int
+    layout: str  # plain | zero3 | pipeline
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.load_dir, self.tag)
+
+    def model_config(self, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                     bf16: bool = False) -> LeviathanConfig:
+        return model_config_from_dict(self.model_section, tensor_model_parallel_size=tensor_model_parallel_size,
+                                      pipeline_model_parallel_size=pipeline_model_parallel_size, bf16=bf16)
+
+
+def find_checkpoint(load_dir: str, iteration: Optional[int] = None) -> CheckpointInfo:
+    """The checkpoint `--load DIR [--iteration N]` names: N's, else the newest complete one."""
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load {load_dir}: no such directory")
+    if iteration is not None:
+        tag = checkpointing.checkpoint_tag(iteration)
+        if not os.path.isdir(os.path.join(load_dir, tag)):
+            found = ", ".join(t for _, t in checkpointing.complete_checkpoints(load_dir)) or "none"
+            raise CheckpointError(f"--load {load_dir} --iteration {iteration}: no directory {tag} "
+                                  f"(complete checkpoints: {found})")
+        if not checkpointing.is_complete(load_dir, tag):
+            raise CheckpointError(f"{os.path.join(load_dir, tag)}: incomplete checkpoint (no "
+                                  f"{checkpointing.COMPLETE_MARKER}: the job died while saving it)")
+    else:
+        tag = checkpointing.find_latest(load_dir)
+        if tag is None:
+            raise CheckpointError(f"--load {load_dir}: no complete checkpoint (no iter_NNNNNNN/"
+                                  f"{checkpointing.COMPLETE_MARKER}): is it a megatron_lev.train --save directory?")
+    config_file = os.path.join(load_dir, tag, checkpointing.CONFIG_FILE)
+    if not os.path.isfile(config_file):
+        raise CheckpointError(f"{config_file}: missing: unknown checkpoint layout (not written by megatron_lev.train)")
+    config = checkpointing.read_checkpoint_config(load_dir, tag)
+    model_section = config.get("model_resolved") or config.get("model")
+    training = config.get("training") or {}
+    if not isinstance(model_section, dict) or "tensor_model_parallel_size" not in training:
+        raise CheckpointError(f"{config_file}: unknown checkpoint layout: no model section or no "
+                              "training.tensor_model_parallel_size")
+    tp = int(training["tensor_model_parallel_size"])
+    pp = int(training.get("pipeline_model_parallel_size") or 1)
+    zero_stage = int((config.get("deepspeed") or {}).get("zero_optimization", {}).get("stage")
+                     or training.get("zero_stage") or 1)
+    layout = "pipeline" if pp > 1 else ("zero3" if zero_stage == 3 else "plain")
+    return CheckpointInfo(load_dir=load_dir, tag=tag, iteration=checkpointing.tag_iteration(tag) or 0,
+                          config=config, model_section=model_section, tensor_model_parallel_size=tp,
+                          pipeline_model_parallel_size=pp, zero_stage=zero_stage, layout=layout)
+
+
+def _torch_load(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing shard")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # a truncated or foreign file
+        raise CheckpointError(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from None
+
+
+def _plain_rank_state(info: CheckpointInfo, tp_rank: int) -> dict:
+    path = os.path.join(info.path, f"mp_rank_{tp_rank:02d}_model_states.pt")
+    state = _torch_load(path).get("module")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: has no 'module' state dict: unknown checkpoint layout")
+    return {k: v for k, v in state.items() if not is_extra_state(k)}
+
+
+def _zero3_rank_state(info: CheckpointInfo, tp_rank: int) -> dict:
+    """One TP rank's fp32 weights from its ZeRO-3 partitions (DeepSpeed's zero_to_fp32).
+
+    zero_to_fp32 reads every *_model_states.pt / *_optim_states.pt of a directory as one
+    data-parallel group, so each TP rank's files are linked into a directory of their own.
+    """
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    suffix = f"mp_rank_{tp_rank:02d}"
+    model_files = sorted(glob.glob(os.path.join(info.path, f"zero_pp_rank_*_{suffix}_model_states.pt")))
+    optim_files = sorted(glob.glob(os.path.join(info.path, f"*zero_pp_rank_*_{suffix}_optim_states.pt")))
+    dp = int((info.config.get("training") or {}).get("data_parallel_size") or len(model_files) or 1)
+    for dp_rank in range(dp):
+        for kind, files in (("model", model_files), ("optim", optim_files)):
+            if not any(re.search(rf"zero_pp_rank_{dp_rank}_{suffix}_{kind}_states\.pt$", f) for f in files):
+                raise CheckpointError(f"{os.path.join(info.path, f'zero_pp_rank_{dp_rank}_{suffix}_{kind}_states.pt')}: "
+                                      f"missing shard (ZeRO-3, data-parallel rank {dp_rank} of {dp})")
+    with tempfile.TemporaryDirectory(prefix="megatron_lev_zero3_") as tmp:
+        os.makedirs(os.path.join(tmp, info.tag))
+        for f in model_files + optim_files:
+            os.symlink(os.path.abspath(f), os.path.join(tmp, info.tag, os.path.basename(f)))
+        try:
+            state = get_fp32_state_dict_from_zero_checkpoint(tmp, tag=info.tag)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"{info.path}: ZeRO-3 shards of tensor-parallel rank {tp_rank} cannot be "
+                                  f"merged ({exc})") from None
+    return {k: v for k, v in state.items() if not is_extra_state(k)}
+
+
+def _pipeline_rank_state(info: CheckpointInfo, tp_rank: int, config: LeviathanConfig) -> dict:
+    from megatron_lev.pipeline import pipeline_to_model_key
+
+    state = {}
+    num_layers = config.num_layers
+    # Layer index L + 2 is the head; for `tied` it is the embedding module again (a function, no file).
+    last = num_layers + 1 if config.embedding == "tied" else num_layers + 2
+    for index in range(last + 1):
+        path = os.path.join(info.path, f"layer_{index:02d}-model_{tp_rank:02d}-model_states.pt")
+        for key, value in _torch_load(path).items():
+            name = pipeline_to_model_key(f"{index}.{key}", num_layers)
+            if not is_extra_state(name):
+                state[name] = value
+    return state
+
+
+def _check_layout_files(info: CheckpointInfo) -> None:
+    """Refuse a directory whose files are not the layout its config.json announces."""
+    patterns = {"plain": "mp_rank_*_model_states.pt", "zero3": "zero_pp_rank_*_model_states.pt",
+                "pipeline": "layer_*-model_*-model_states.pt"}
+    if not glob.glob(os.path.join(info.path, patterns[info.layout])):
+        present = sorted(os.path.basename(p) for p in glob.glob(os.path.join(info.path, "*")))
+        raise CheckpointError(
+            f"{info.path}: unknown checkpoint layout: its config says TP={info.tensor_model_parallel_size}, "
+            f"PP={info.pipeline_model_parallel_size}, ZeRO-{info.zero_stage} ({info.layout}: "
+            f"{patterns[info.layout]}) but it holds {', '.join(present[:8]) or 'no files'}")
+
+
+def read_checkpoint(info: CheckpointInfo, replicated_atol: float = 0.0) -> dict[str, torch.Tensor]:
+    """The full state dict (LeviathanModel names, vocabulary unpadded) of a training checkpoint."""
+    _check_layout_files(info)
+    config = info.model_config()
+    tp = info.tensor_model_parallel_size
+    ranks = []
+    for tp_rank in range(tp):
+        if info.layout == "pipeline":
+            ranks.append(_pipeline_rank_state(info, tp_rank, config))
+        elif info.layout == "zero3":
+            ranks.append(_zero3_rank_state(info, tp_rank))
+        else:
+            ranks.append(_plain_rank_state(info, tp_rank))
+    expected = expected_parameter_names(config)
+    for tp_rank, state in enumerate(ranks):
+        missing = [n for n in expected if n not in state]
+        unknown = [n for n in state if n not in expected]
+        if missing or unknown:
+            what = f"missing {missing[:3]}" if missing else f"unexpected {unknown[:3]}"
+            raise CheckpointError(f"{info.path}: tensor-parallel rank {tp_rank} of {tp}: {what} for the "
+                                  f"embedding={config.embedding!r}, {config.num_layers}-layer model of its config")
+    padded = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, tp)
+    full = {}
+    for name in expected:
+        part = partition_of(name, config.embedding)
+        tensor = merge_tp_shards(name, [state[name] for state in ranks], part, info.path, replicated_atol)
+        if part.vocab:
+            if tensor.shape[0] != padded:
+                raise CheckpointError(f"{info.path}: {name} has {tensor.shape[0]} rows over {tp} ranks, expected "
+                                      f"the padded vocabulary {padded}")
+            tensor = trim_vocab(tensor, config.vocab_size)
+        full[name] = tensor.contiguous()
+    return full
+
+
+def load_checkpoint_full(load_dir: str, iteration: Optional[int] = None) -> tuple[dict[str, torch.Tensor], CheckpointInfo]:
+    """`read_checkpoint(find_checkpoint(load_dir, iteration))`, with its info."""
+    info = find_checkpoint(load_dir, iteration)
+    return read_checkpoint(info), info

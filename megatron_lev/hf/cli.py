@@ -1,0 +1,83 @@
+"""Command lines of tools/convert_to_hf.py and tools/convert_from_hf.py.
+
+    python tools/convert_to_hf.py --load runs/lev-1.2b --output hf/lev-1.2b [--iteration N]
+        [--dtype bf16|fp16|fp32] [--tokenizer-model tok.model] [--materialize-embeddings]
+        [--max-shard-size 5GB]
+    python tools/convert_from_hf.py --load hf/lev-1.2b --save runs/lev-1.2b-ft
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 [--config lev-1.2b] [--bf16]
+
+Errors (a missing shard, an unknown layout, a tokenizer that disagrees with the model, ...)
+are one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # conversion runs on CPU
+
+
+def to_hf_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="convert_to_hf.py",
+        description="Convert a megatron_lev training checkpoint (any TP/PP/ZeRO) to a Hugging Face folder.")
+    p.add_argument("--load", required=True, help="the training run's --save directory")
+    p.add_argument("--iteration", type=int, help="checkpoint to convert (default: the latest complete one)")
+    p.add_argument("--output", required=True, help="Hugging Face folder to create (must not exist, or be empty)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="weights' dtype (default: the checkpoint's)")
+    p.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"),
+                   help="default: the checkpoint's, else guessed from --tokenizer-model")
+    p.add_argument("--tokenizer-model", help="default: the tokenizer the checkpoint was trained with")
+    p.add_argument("--materialize-embeddings", action="store_true",
+                   help="lev models: write the generated V x D table, loadable as a standard LlamaForCausalLM")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    return p
+
+
+def from_hf_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="convert_from_hf.py",
+        description="Convert a Hugging Face folder (our export, or a LLaMA) into a checkpoint that "
+                    "python -m megatron_lev.train can --load (use --no-load-optim to fine-tune).")
+    p.add_argument("--load", required=True, help="Hugging Face model folder")
+    p.add_argument("--save", required=True, help="checkpoint directory to create (must not exist, or be empty)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--config", help="the training YAML you will run with (its model section must describe the "
+                   "same model); default: write SAVE/model.yaml from the Hugging Face config")
+    p.add_argument("--bf16", action="store_true", help="store bf16 weights (fp32 master copies), as a --bf16 run")
+    return p
+
+
+def _fail(tool: str, exc: Exception) -> int:
+    print(f"{tool}: error: {exc}", file=sys.stderr)
+    return 2
+
+
+def convert_to_hf_main(argv=None) -> int:
+    args = to_hf_parser().parse_args(argv)
+    from megatron_lev.hf.export import export_checkpoint
+
+    try:
+        out = export_checkpoint(args.load, args.output, iteration=args.iteration, dtype=args.dtype,
+                                tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                                materialize=args.materialize_embeddings, max_shard_size=args.max_shard_size)
+    except (ValueError, FileNotFoundError) as exc:  # CheckpointError/ExportError/ConfigError are ValueErrors
+        return _fail("convert_to_hf", exc)
+    print(f"wrote {out}")
+    return 0
+
+
+def convert_from_hf_main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = from_hf_parser().parse_args(argv)
+    from megatron_lev.hf.import_hf import import_hf_model
+
+    try:
+        out = import_hf_model(args.load, args.save, args.tensor_model_parallel_size,
+                              args.pipeline_model_parallel_size, config=args.config, bf16=args.bf16, argv=argv)
+    except (ValueError, FileNotFoundError) as exc:
+        return _fail("convert_from_hf", exc)
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,335 @@
+"""Release: training checkpoints -> Hugging Face folders -> training checkpoints, exactly.
+
+Tiny models are trained a few steps by the real trainer (torchrun, 2 gloo ranks, ZeRO-1):
+lev at TP=2, lev at PP=2, tied at TP=2. Exports load with plain `transformers`; their logits
+equal our model's (float32, atol 1e-4) and greedy `generate()` equals greedy decoding with
+our model, loaded from the same checkpoint at TP=1. The TP=1 model itself is checked
+against the TP=2 model built from the raw shards (no merge code involved).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.distributed import free_port, run_distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOGITS_ATOL = 1e-4  # HF vs ours, float32
+SHARDS_ATOL = 1e-5  # TP=1 from merged weights vs TP=2 from raw shards
+PROMPT_TOKENS, NEW_TOKENS = 12, 8
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+def _train(save: str, config: str, dataset: str, tokenizer: str, *flags: str) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "megatron_lev.train", "--config", config, "--data-path", dataset, "--split", "98,2,0",
+           "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tokenizer, "--save", save,
+           "--train-iters", "3", "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1",
+           "--zero-stage", "1", *flags]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"training failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return save
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tiny_dataset, spm_tokenizer) -> dict[str, str]:
+    """name -> --save directory of a 3-step run."""
+    root = tmp_path_factory.mktemp("convert_runs")
+    return {
+        "lev_tp2": _train(str(root / "lev_tp2"), "tiny-lev", tiny_dataset, spm_tokenizer,
+                          "--tensor-model-parallel-size", "2"),
+        "lev_pp2": _train(str(root / "lev_pp2"), "tiny-lev", tiny_dataset, spm_tokenizer,
+                          "--pipeline-model-parallel-size", "2"),
+        "tied_tp2": _train(str(root / "tied_tp2"), "tiny-tied", tiny_dataset, spm_tokenizer,
+                           "--tensor-model-parallel-size", "2"),
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts(python_corpus, spm_tokenizer) -> torch.Tensor:
+    """[2, PROMPT_TOKENS] ids of real text."""
+    from megatron_lev.data.corpus import read_documents
+    from megatron_lev.data.tokenizer import build_tokenizer
+
+    tok = build_tokenizer("SentencePieceTokenizer", spm_tokenizer)
+    docs = read_documents(python_corpus)
+    rows = [tok.tokenize(next(docs).texts[0])[:PROMPT_TOKENS] for _ in range(2)]
+    return torch.tensor(rows)
+
+
+def _greedy(model, prompt: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    from megatron_lev.model import gather_logits
+
+    seq = prompt
+    for _ in range(NEW_TOKENS):
+        nxt = gather_logits(model(seq), vocab_size)[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], dim=1)
+    return seq
+
+
+def _reference_outputs(rank, world_size, ckpts: dict, raw_tp2: list, prompt: torch.Tensor):
+    """Phase 1 (TP=2): models built from the raw DeepSpeed shard files of `raw_tp2`.
+    Phase 2 (TP=1, each rank alone): every checkpoint merged by convert.py -> logits, greedy tokens."""
+    from megatron.core import parallel_state
+
+    from megatron_lev import parallel
+    from megatron_lev.convert import find_checkpoint, load_checkpoint_full, load_full_state_dict
+    from megatron_lev.model import LeviathanModel, gather_logits
+
+    out = {"tp2": {}, "tp1": {}}
+    parallel.initialize_model_parallel(2, 1)
+    for name in raw_tp2:
+        info = find_checkpoint(ckpts[name])
+        cfg = info.model_config(tensor_model_parallel_size=2)
+        model = LeviathanModel(cfg).eval()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        shard = torch.load(os.path.join(info.path, f"mp_rank_{tp_rank:02d}_model_states.pt"), weights_only=False)
+        model.load_state_dict(shard["module"], strict=True)
+        with torch.no_grad():
+            out["tp2"][name] = gather_logits(model(prompt), cfg.vocab_size)
+    parallel.initialize_model_parallel(1, 1)
+    for name, path in ckpts.items():
+        full, info = load_checkpoint_full(path)
+        cfg = info.model_config()
+        model = LeviathanModel(cfg).eval()
+        load_full_state_dict(model, full, cfg, tp_rank=0)
+        with torch.no_grad():
+            out["tp1"][name] = (gather_logits(model(prompt), cfg.vocab_size), _greedy(model, prompt, cfg.vocab_size))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints, prompts) -> dict:
+    return run_distributed(_reference_outputs, world_size=2,
+                           args=(checkpoints, ["lev_tp2", "tied_tp2"], prompts))[0]
+
+
+@pytest.fixture(scope="module")
+def exports(checkpoints, tmp_path_factory) -> dict[str, str]:
+    """name -> Hugging Face folder written by tools/convert_to_hf.py's main."""
+    from megatron_lev.hf.cli import convert_to_hf_main
+
+    root = tmp_path_factory.mktemp("hf")
+    jobs = {"lev_tp2": ("lev_tp2",), "lev_pp2": ("lev_pp2",), "tied_tp2": ("tied_tp2",),
+            "lev_tp2_materialized": ("lev_tp2", "--materialize-embeddings")}
+    out = {}
+    for name, (ckpt, *flags) in jobs.items():
+        out[name] = str(root / name)
+        assert convert_to_hf_main(["--load", checkpoints[ckpt], "--output", out[name], "--dtype", "fp32",
+                                   "--max-shard-size", "200KB", *flags]) == 0
+    return out
+
+
+def _hf_outputs(folder: str, prompt: torch.Tensor, **load_kwargs):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **load_kwargs).eval()
+    with torch.no_grad():
+        logits = model(prompt).logits
+        tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
+                                do_sample=False, eos_token_id=None)
+    return model, logits, tokens
+
+
+# --------------------------------------------------------------------------- exports load and agree
+
+
+def test_merged_tp1_model_equals_tp2_shards(reference):
+    for name, tp2_logits in reference["tp2"].items():
+        torch.testing.assert_close(reference["tp1"][name][0], tp2_logits, rtol=0, atol=SHARDS_ATOL, msg=name)
+    # PP=2 and TP=2 runs of tiny-lev start from the same weights (seeded) and see the same data,
+    # so after 3 steps they are the same model up to reduction order.
+    torch.testing.assert_close(reference["tp1"]["lev_pp2"][0], reference["tp1"]["lev_tp2"][0], rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["lev_tp2", "lev_pp2"])
+def test_lev_export_loads_with_remote_code(name, exports, reference, prompts):
+    folder = exports[name]
+    config = json.load(open(os.path.join(folder, "config.json")))
+    assert config["model_type"] == "leviathan" and config["auto_map"]["AutoModelForCausalLM"] == "modeling_lev.LevForCausalLM"
+    assert config["vocab_size"] == 1000 and not config["tie_word_embeddings"]
+    with open(os.path.join(REPO, "megatron_lev", "lev.py"), encoding="utf-8") as f:
+        assert open(os.path.join(folder, "lev.py"), encoding="utf-8").read() == f.read()  # verbatim copy
+    assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))  # 200KB shards
+    model, logits, tokens = _hf_outputs(folder, prompts, trust_remote_code=True)
+    assert type(model).__name__ == "LevForCausalLM"
+    assert model.lm_head.weight.shape == (1000, 64)  # padding trimmed
+    ours_logits, ours_tokens = reference["tp1"][name]
+    torch.testing.assert_close(logits, ours_logits, rtol=0, atol=LOGITS_ATOL)
+    assert torch.equal(tokens, ours_tokens), f"{tokens}\n{ours_tokens}"
+
+
+def test_tied_export_is_standard_llama(exports, reference, prompts):
+    from transformers import LlamaForCausalLM
+
+    folder = exports["tied_tp2"]
+    assert not glob.glob(os.path.join(folder, "*.py"))
+    config = json.load(open(os.path.join(folder, "config.json")))
+    assert config["model_type"] == "llama" and config["tie_word_embeddings"] and "auto_map" not in config
+    model, logits, tokens = _hf_outputs(folder, prompts)
+    assert type(model) is LlamaForCausalLM
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    ours_logits, ours_tokens = reference["tp1"]["tied_tp2"]
+    torch.testing.assert_close(logits, ours_logits, rtol=0, atol=LOGITS_ATOL)
+    assert torch.equal(tokens, ours_tokens)
+
+
+def test_materialized_lev_is_standard_llama(exports, reference, prompts):
+    from transformers import LlamaForCausalLM
+
+    folder = exports["lev_tp2_materialized"]
+    assert not glob.glob(os.path.join(folder, "*.py"))
+    model, logits, tokens = _hf_outputs(folder, prompts)  # no trust_remote_code
+    assert type(model) is LlamaForCausalLM and not model.config.tie_word_embeddings
+    assert model.model.embed_tokens.weight.shape == (1000, 64)
+    ours_logits, ours_tokens = reference["tp1"]["lev_tp2"]
+    torch.testing.assert_close(logits, ours_logits, rtol=0, atol=LOGITS_ATOL)
+    assert torch.equal(tokens, ours_tokens)
+
+
+def test_exported_tokenizer_matches_training_tokenizer(exports, python_corpus, spm_tokenizer):
+    from transformers import AutoTokenizer
+
+    from megatron_lev.data.corpus import read_documents
+    from megatron_lev.data.tokenizer import build_tokenizer
+
+    ours = build_tokenizer("SentencePieceTokenizer", spm_tokenizer)
+    for folder in (exports["lev_tp2"], exports["tied_tp2"]):
+        assert os.path.isfile(os.path.join(folder, "tokenizer.model"))
+        hf = AutoTokenizer.from_pretrained(folder)
+        assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (ours.bos, ours.eod, ours.pad) == (1, 2, 3)
+        config = json.load(open(os.path.join(folder, "generation_config.json")))
+        assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 3)
+        texts = [record.texts[0] for _, record in zip(range(60), read_documents(python_corpus))]
+        texts += ["  two leading spaces\n\tand a tab", "ünïcödé 漢字 🎉", "x = 12345  # digits"]
+        for text in texts:
+            ids = ours.tokenize(text)
+            assert hf(text)["input_ids"] == ids, text[:80]  # no BOS/EOS added, same pieces
+            assert hf.decode(ids) == text
+
+
+# --------------------------------------------------------------------------- round trip
+
+
+def test_export_import_at_other_tp_export_is_identical(checkpoints, exports, tmp_path, tiny_dataset):
+    """lev TP=2 checkpoint -> HF -> checkpoint at TP=1 -> HF: identical tensors. Then the trainer
+    resumes from the imported checkpoint (lr 0, so the weights must come back unchanged)."""
+    from safetensors.torch import load_file
+
+    from megatron_lev.convert import find_checkpoint
+    from megatron_lev.hf.cli import convert_from_hf_main, convert_to_hf_main
+    from megatron_lev.hf.export import read_safetensors
+
+    imported = str(tmp_path / "imported_tp1")
+    assert convert_from_hf_main(["--load", exports["lev_tp2"], "--save", imported,
+                                 "--tensor-model-parallel-size", "1"]) == 0
+    info = find_checkpoint(imported)
+    assert (info.iteration, info.tensor_model_parallel_size, info.layout) == (0, 1, "plain")
+    again = str(tmp_path / "hf_again")
+    assert convert_to_hf_main(["--load", imported, "--output", again]) == 0
+    first, second = read_safetensors(exports["lev_tp2"]), read_safetensors(again)
+    assert sorted(first) == sorted(second)
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
+    assert json.load(open(os.path.join(again, "config.json"))) == json.load(open(os.path.join(exports["lev_tp2"], "config.json")))
+
+    # The trainer loads it: one step at lr 0 (weights unchanged), saved, exported -> same tensors.
+    tokenizer = os.path.join(exports["lev_tp2"], "tokenizer.model")
+    cmd = [sys.executable, "-m", "megatron_lev.train", "--config", os.path.join(imported, "model.yaml"),
+           "--load", imported, "--no-load-optim", "--save", imported, "--data-path", tiny_dataset, "--split", "98,2,0",
+           "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tokenizer, "--micro-batch-size", "2",
+           "--train-iters", "1", "--lr", "0", "--min-lr", "0", "--eval-interval", "1000", "--eval-iters", "1"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
+    assert find_checkpoint(imported).iteration == 1
+    trained = str(tmp_path / "hf_trained")
+    assert convert_to_hf_main(["--load", imported, "--output", trained]) == 0
+    third = load_file(os.path.join(trained, "model.safetensors"))
+    for key in first:
+        assert torch.equal(first[key], third[key]), key
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _copy(src: str, dst) -> str:
+    shutil.copytree(src, dst, symlinks=True)
+    return str(dst)
+
+
+def _tag_dir(ckpt: str) -> str:
+    from megatron_lev.convert import find_checkpoint
+
+    return find_checkpoint(ckpt).path
+
+
+def _error(capsys, argv, main=None) -> str:
+    from megatron_lev.hf.cli import convert_to_hf_main
+
+    assert (main or convert_to_hf_main)(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err  # one line
+    return err
+
+
+def test_missing_shard_is_named(checkpoints, tmp_path, capsys):
+    plain = _copy(checkpoints["tied_tp2"], tmp_path / "plain")
+    os.remove(os.path.join(_tag_dir(plain), "mp_rank_01_model_states.pt"))
+    err = _error(capsys, ["--load", plain, "--output", str(tmp_path / "out1")])
+    assert "mp_rank_01_model_states.pt: missing shard" in err
+    pipe = _copy(checkpoints["lev_pp2"], tmp_path / "pipe")
+    os.remove(os.path.join(_tag_dir(pipe), "layer_02-model_00-model_states.pt"))
+    err = _error(capsys, ["--load", pipe, "--output", str(tmp_path / "out2")])
+    assert "layer_02-model_00-model_states.pt: missing shard" in err
+    assert not os.path.exists(tmp_path / "out1") and not glob.glob(str(tmp_path / ".out*"))
+
+
+def test_unknown_layout(checkpoints, tmp_path, capsys):
+    from megatron_lev.hf.cli import convert_from_hf_main
+
+    ckpt = _copy(checkpoints["tied_tp2"], tmp_path / "ckpt")
+    for path in glob.glob(os.path.join(_tag_dir(ckpt), "*model_states.pt")):
+        os.rename(path, path + ".bak")
+    err = _error(capsys, ["--load", ckpt, "--output", str(tmp_path / "out")])
+    assert "unknown checkpoint layout" in err and "mp_rank_*_model_states.pt" in err
+    not_ours = tmp_path / "gpt2"
+    not_ours.mkdir()
+    (not_ours / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    err = _error(capsys, ["--load", str(not_ours), "--save", str(tmp_path / "ck")], main=convert_from_hf_main)
+    assert "unknown layout: model_type 'gpt2'" in err
+
+
+def test_tokenizer_size_disagreeing_with_model(checkpoints, tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(1200)} | {"</s>": 1200}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = str(tmp_path / "big.json")
+    tok.save(path)
+    err = _error(capsys, ["--load", checkpoints["lev_tp2"], "--output", str(tmp_path / "out"),
+                          "--tokenizer-model", path])
+    assert "has 1201 tokens but the model's vocab_size is 1000" in err and path in err
+
+
+def test_replicated_parameter_mismatch(checkpoints, tmp_path, capsys):
+    ckpt = _copy(checkpoints["tied_tp2"], tmp_path / "ckpt")
+    shard_path = os.path.join(_tag_dir(ckpt), "mp_rank_01_model_states.pt")
+    shard = torch.load(shard_path, weights_only=False)
+    shard["module"]["final_norm.weight"] += 1e-3
+    torch.save(shard, shard_path)
+    err = _error(capsys, ["--load", ckpt, "--output", str(tmp_path / "out")])
+    assert "replicated parameter final_norm.weight differs between tensor-parallel ranks 0 and 1" in err
