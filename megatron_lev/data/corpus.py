@@ -183,13 +183,11 @@ def iter_blocks(path: str, block_bytes: int = DEFAULT_BLOCK_BYTES) -> Iterator[B
             for chunk in chunks:
                 pending.append(chunk)
                 pending_size += len(chunk)
-                if pending_size < block_bytes:
+                # Cut only once a newline arrives (a line longer than a block keeps growing).
+                if pending_size < block_bytes or b"\n" not in chunk:
                     continue
                 data = b"".join(pending)
                 cut = data.rfind(b"\n") + 1
-                if cut == 0:  # one line longer than a block: keep reading
-                    pending = [data]
-                    continue
                 block, rest = data[:cut], data[cut:]
                 yield Block(path, line, block, raw.tell())
                 line += block.count(b"\n")
