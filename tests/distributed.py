@@ -80,3 +80,18 @@ def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 
         if errors:
             raise AssertionError("\n".join(errors))
         return results
+
+
+def torchrun(module_args: list[str], nproc: int = 2, timeout: float = 600, cwd: str | None = None):
+    """Run `python -m torch.distributed.run --nproc-per-node N <module_args>` on CPU (gloo,
+    one thread per rank) and return the CompletedProcess; fails with its output tail."""
+    import subprocess
+    import sys
+
+    repo = cwd or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *map(str, module_args)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc

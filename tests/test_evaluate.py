@@ -1,4 +1,5 @@
-"""Evaluation and the papers' analyses: frequencies, buckets, tables, plots, curves, lm-eval."""
+"""Evaluation and the papers' analyses: frequencies, buckets, tables, plots, curves, lm-eval,
+and `python -m megatron_lev.evaluate` on a LEV model trained 4 steps at TP=2 by the real trainer."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,10 @@ import torch
 
 from megatron_lev.evaluation import buckets as bk
 from megatron_lev.evaluation import curves, frequency, plots, report
+from tests.distributed import torchrun
+
+EVAL_ITERS, GLOBAL_BATCH, SEQ = 2, 8, 64  # tiny-lev: global batch 8, sequence 64
+SPLIT = "90,5,5"
 
 
 # ---------------------------------------------------------------- helpers
@@ -219,42 +224,122 @@ def test_tokens_to_target_on_synthetic_curves(tmp_path):
         curves.read_curve(str(tmp_path / "bad"))
 
 
-# ---------------------------------------------------------------- lm-eval
-
-WORDS = ("the a cat dog sat on mat ran to park sun is hot cold water boil ice melt put in pot "
-         "question answer : . , fish swim bird fly").split()
-
-
-def _word_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for w in WORDS:
-        vocab.setdefault(w, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+# ---------------------------------------------------------------- megatron_lev.evaluate
 
 
 @pytest.fixture(scope="module")
-def tiny_hf_exports(tmp_path_factory):
-    """Two tiny HF causal LMs (different seeds) with a tokenizer, saved as export dirs."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def lev_run(tmp_path_factory, tiny_dataset, spm_tokenizer) -> str:
+    """--save dir of tiny-lev trained 4 steps at TP=2 (checkpoints and valid_loss at 2 and 4)."""
+    save = tmp_path_factory.mktemp("eval_runs") / "lev_tp2"
+    torchrun(["-m", "megatron_lev.train", "--config", "tiny-lev", "--data-path", tiny_dataset, "--split", SPLIT,
+              "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", spm_tokenizer, "--save", save,
+              "--train-iters", "4", "--save-interval", "2", "--eval-interval", "2", "--eval-iters", str(EVAL_ITERS),
+              "--log-interval", "1", "--metrics-file", save / "metrics.jsonl", "--tensor-model-parallel-size", "2"])
+    return str(save)
 
-    tokenizer = _word_tokenizer()
-    paths = {}
-    for name, seed in (("base", 0), ("other", 1)):
-        torch.manual_seed(seed)
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                             bos_token_id=1, eos_token_id=2)
-        path = str(tmp_path_factory.mktemp(f"hf_{name}"))
-        LlamaForCausalLM(config).save_pretrained(path)
-        tokenizer.save_pretrained(path)
-        paths[name] = path
-    return paths
 
+@pytest.fixture(scope="module")
+def lev_exports(lev_run, tmp_path_factory) -> dict[str, str]:
+    """HF folders (LevForCausalLM, remote code) of the iteration-2 and iteration-4 checkpoints."""
+    from megatron_lev.hf.export import export_checkpoint
+
+    root = tmp_path_factory.mktemp("eval_hf")
+    return {f"iter{i}": export_checkpoint(lev_run, str(root / f"iter{i}"), iteration=i, dtype="fp32") for i in (2, 4)}
+
+
+def _valid_samples(tiny_dataset, spm_tokenizer, count: int) -> dict:
+    """The first `count` valid-split samples, built independently of megatron_lev.evaluate."""
+    from megatron_lev.data.datasets import build_train_valid_test_datasets
+    from megatron_lev.data.tokenizer import build_tokenizer
+
+    _, valid, _ = build_train_valid_test_datasets(
+        data_path=[tiny_dataset], split=SPLIT, seq_length=SEQ, seed=1234, train_samples=None, valid_samples=None,
+        test_samples=None, tokenizer=build_tokenizer("SentencePieceTokenizer", spm_tokenizer))
+    samples = [valid[i] for i in range(count)]
+    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in ("tokens", "labels", "loss_mask")}
+
+
+def _direct_loss(rank, world_size, load_dir: str, batch: dict) -> float:
+    """Our model's own masked-mean loss (forward with labels) on `batch`, TP=1, merged checkpoint."""
+    from megatron_lev import parallel
+    from megatron_lev.convert import load_checkpoint_full, load_full_state_dict
+    from megatron_lev.model import LeviathanModel
+
+    parallel.initialize_model_parallel(1, 1)
+    full, info = load_checkpoint_full(load_dir)
+    config = info.model_config()
+    model = LeviathanModel(config).eval()
+    load_full_state_dict(model, full, config, tp_rank=0)
+    with torch.no_grad():
+        return float(model(batch["tokens"], labels=batch["labels"], loss_mask=batch["loss_mask"]))
+
+
+def test_evaluate_perplexity_frequency_tables_and_plots(lev_run, lev_exports, tiny_dataset, spm_tokenizer, tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_lev import evaluate
+    from tests.distributed import run_distributed
+
+    n_tokens = 1000  # 15 full samples and 40 tokens of the 16th: exercises the cut
+    out = tmp_path / "eval"
+    result = evaluate.main([
+        "--model", f"lev={lev_run}", "--model", f"hf={lev_exports['iter4']}", "--model", f"early={lev_exports['iter2']}",
+        "--baseline", "early", "--eval-tokens", str(n_tokens), "--micro-batch-size", "3",
+        "--freq-dataset", tiny_dataset, "--buckets", "quantile:4", "--buckets", "log", "--device", "cpu",
+        "--output-dir", str(out), "--plot-width", "1000", "--plot-height", "700"])
+    saved = json.load(open(out / "evaluation.json"))
+    assert saved["models"]["lev"]["ppl"] == result["models"]["lev"]["ppl"]
+    lev = result["models"]["lev"]
+    assert lev["tokens"] == n_tokens and lev["iteration"] == 4 and lev["embedding"] == "lev"
+    assert lev["trained_with"]["tensor_model_parallel_size"] == 2
+
+    # Perplexity = exp(our model's own mean token loss on the same tokens), float32 forward.
+    batch = _valid_samples(tiny_dataset, spm_tokenizer, -(-n_tokens // SEQ))
+    batch["loss_mask"].view(-1)[n_tokens:] = 0
+    direct = run_distributed(_direct_loss, world_size=1, args=(lev_run, batch))[0]
+    assert lev["loss"] == pytest.approx(direct, abs=2e-6)
+    assert lev["ppl"] == pytest.approx(math.exp(direct), rel=2e-6)
+    # The HF export of the same checkpoint scores the same tokens alike; the earlier one worse.
+    assert result["models"]["hf"]["ppl"] == pytest.approx(lev["ppl"], rel=1e-4)
+    assert result["models"]["early"]["loss"] > lev["loss"]
+    overall = {r["label"]: r for r in result["table"]["rows"]}
+    assert overall["perplexity"]["relative_change_pct"]["lev"] == pytest.approx(
+        100 * (lev["ppl"] / result["models"]["early"]["ppl"] - 1))
+
+    # Frequencies: the train share of the dataset (GPTDataset's own split), counted by plain numpy.
+    freq = result["frequency"]
+    dataset = IndexedDataset(tiny_dataset)
+    begin, end = frequency.train_sequence_range(tiny_dataset, SPLIT)
+    assert (begin, end) == (0, int(round(0.9 * len(dataset))))
+    expected = np.bincount(np.concatenate([dataset[i] for i in range(begin, end)]).astype(np.int64), minlength=1000)
+    np.testing.assert_array_equal(np.load(freq["counts_cache"][0]), expected)
+    assert freq["train_split_of"] == SPLIT and freq["train_tokens"] == expected.sum()
+    for spec in ("quantile:4", "log"):
+        section = freq["bucketings"][spec]
+        assert sum(b["num_types"] for b in section["buckets"]) == 1000  # every type, once
+        for name, model in result["models"].items():
+            rows = section["models"][name]
+            assert sum(r["eval_tokens"] for r in rows) == n_tokens
+            weighted = sum(r["eval_tokens"] * r["nll"] for r in rows if r["eval_tokens"]) / n_tokens
+            assert weighted == pytest.approx(model["loss"], rel=1e-9)
+        assert png_size(section["plot"]) == (1000, 700)
+    assert "Perplexity by training-frequency bucket" in (out / "evaluation.md").read_text()
+
+    # Training's own valid_loss (TP=2 engine, first 2 global batches of the valid split) is
+    # what evaluate gives for the same 1,024 tokens of its iteration-4 checkpoint.
+    logged = curves.read_curve(lev_run, metric="valid_loss")
+    assert logged.iterations.tolist() == [2, 4]
+    check = evaluate.main(["--model", f"it4={lev_run}/iter_0000004", "--eval-tokens",
+                           str(EVAL_ITERS * GLOBAL_BATCH * SEQ), "--output-dir", str(tmp_path / "eval2")])
+    assert check["models"]["it4"]["loss"] == pytest.approx(logged.loss[-1], abs=1e-5)
+
+    with pytest.raises(SystemExit, match="--eval-tokens 99999999: the valid split has only"):
+        evaluate.main(["--model", f"lev={lev_run}", "--eval-tokens", "99999999", "--output-dir", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="--model bad=.*neither"):
+        evaluate.main(["--model", f"bad={tmp_path}", "--output-dir", str(tmp_path / "x")])
+
+
+# ---------------------------------------------------------------- lm-eval
 
 def loglikelihood(model, tokenizer, context: str, continuation: str) -> tuple[float, bool]:
     """log p(continuation | context) and whether it is the greedy continuation, tokenised the
@@ -269,7 +354,9 @@ def loglikelihood(model, tokenizer, context: str, continuation: str) -> tuple[fl
     return ll, bool((rows.argmax(-1) == torch.tensor(cont)).all())
 
 
-def test_lm_eval_runs_offline_on_local_tasks(tmp_path, tiny_hf_exports, monkeypatch):
+def test_lm_eval_runs_offline_on_local_tasks(tmp_path, lev_exports, monkeypatch):
+    """lm-eval on two real LEV exports (remote code) with local PIQA / LAMBADA files; its
+    accuracies and LAMBADA perplexity equal those computed by hand from the model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_lev.evaluation import downstream
@@ -289,15 +376,15 @@ def test_lm_eval_runs_offline_on_local_tasks(tmp_path, tiny_hf_exports, monkeypa
         (data_dir / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     out_dir = tmp_path / "out"
-    result = downstream.main(["--model", f"base={tiny_hf_exports['base']}", "--model",
-                              f"other={tiny_hf_exports['other']}", "--tasks", "piqa,lambada_openai",
+    result = downstream.main(["--model", f"base={lev_exports['iter2']}", "--model",
+                              f"other={lev_exports['iter4']}", "--tasks", "piqa,lambada_openai",
                               "--data-dir", str(data_dir), "--device", "cpu", "--dtype", "float32",
                               "--batch-size", "4", "--log-samples", "--output-dir", str(out_dir)])
 
     saved = json.load(open(out_dir / "downstream.json"))
     markdown = (out_dir / "downstream.md").read_text()
-    for name, path in tiny_hf_exports.items():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for name, path in (("base", lev_exports["iter2"]), ("other", lev_exports["iter4"])):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=True).eval()
         tokenizer = AutoTokenizer.from_pretrained(path)
         # PIQA: the prompt lm-eval's piqa.yaml builds; acc = argmax over the two solutions.
         lls = [[loglikelihood(model, tokenizer, f"Question: {d['goal']}\nAnswer:", " " + d[s])[0]

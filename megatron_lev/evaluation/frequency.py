@@ -5,9 +5,14 @@ length `vocab_size` with `counts[t]` = occurrences of token id `t` in every docu
 of the `.bin` file. Counting is a chunked `np.bincount` over the raw token buffer
 (no per-document Python loop), so a Pile-sized shard is counted at memory bandwidth.
 
+`sequences=(begin, end)` counts only those sequences (documents) of the prefix: the
+training share of a prefix that `--split` divides is `train_sequence_range(prefix,
+split)`, megatron-core's own rule (the first round(share * n) sequences), so tokens of
+validation documents never count as training frequencies.
+
 Results are cached as `.npy` in a cache directory, keyed by the dataset's absolute
-path, the size and mtime of its `.bin` and `.idx`, and `vocab_size`: a rewritten
-dataset gets a new key, never a stale count.
+path, the size and mtime of its `.bin` and `.idx`, the sequence range and
+`vocab_size`: a rewritten dataset gets a new key, never a stale count.
 """
 from __future__ import annotations
 
@@ -34,10 +39,28 @@ def default_cache_dir(prefix: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache", "token_counts")
 
 
-def frequency_cache_path(prefix: str, vocab_size: int, cache_dir: str | None = None) -> str:
+def train_sequence_range(prefix: str, split: str) -> tuple[int, int]:
+    """Sequences [begin, end) of `prefix` that GPTDataset puts in the train split of `split`."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    _dataset_files(prefix)
+    try:
+        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    except (AssertionError, ValueError, ZeroDivisionError) as exc:
+        raise ValueError(f"--split {split!r}: not a split like 969,30,1") from exc
+    n = len(IndexedDataset(prefix, mmap=True).index)
+    if matrix[0] is None:
+        return 0, 0
+    return int(round(matrix[0][0] * n)), int(round(matrix[0][1] * n))
+
+
+def frequency_cache_path(prefix: str, vocab_size: int, cache_dir: str | None = None,
+                         sequences: tuple[int, int] | None = None) -> str:
     """Where the counts of `prefix` are cached (the key changes when the files change)."""
     bin_path, idx_path = _dataset_files(prefix)
-    key = [os.path.abspath(prefix), str(vocab_size)]
+    key = [os.path.abspath(prefix), str(vocab_size), str(sequences)]
     for path in (bin_path, idx_path):
         st = os.stat(path)
         key += [str(st.st_size), str(st.st_mtime_ns)]
@@ -46,19 +69,22 @@ def frequency_cache_path(prefix: str, vocab_size: int, cache_dir: str | None = N
     return os.path.join(cache_dir or default_cache_dir(prefix), name)
 
 
-def _count(prefix: str, vocab_size: int, chunk_tokens: int) -> np.ndarray:
+def _count(prefix: str, vocab_size: int, chunk_tokens: int, sequences: tuple[int, int] | None) -> np.ndarray:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     dataset = IndexedDataset(prefix, mmap=True)
     index = dataset.index
     dtype = index.dtype
     counts = np.zeros(vocab_size, dtype=np.int64)
-    if len(index) == 0:
+    begin, end = sequences if sequences is not None else (0, len(index))
+    if not 0 <= begin <= end <= len(index):
+        raise ValueError(f"{prefix}: sequences [{begin}, {end}) outside its {len(index)} sequences")
+    if begin == end:
         return counts
-    # Documents are stored back to back; count the span they cover in one pass.
+    # Sequences are stored back to back; count the span they cover in one pass.
     itemsize = np.dtype(dtype).itemsize
-    start = int(index.sequence_pointers[0])
-    total = int((index.sequence_pointers[-1] - start) // itemsize + index.sequence_lengths[-1])
+    start = int(index.sequence_pointers[begin])
+    total = int(index.sequence_lengths[begin:end].sum(dtype=np.int64))
     for first in range(0, total, chunk_tokens):
         n = min(chunk_tokens, total - first)
         chunk = dataset.bin_reader.read(dtype=dtype, count=n, offset=start + first * itemsize)
@@ -72,19 +98,22 @@ def _count(prefix: str, vocab_size: int, chunk_tokens: int) -> np.ndarray:
 
 
 def count_token_frequencies(prefix: str, vocab_size: int, cache_dir: str | None = None,
-                            use_cache: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> np.ndarray:
-    """Occurrences of each token id in indexed dataset `prefix` (int64, length vocab_size).
+                            use_cache: bool = True, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                            sequences: tuple[int, int] | None = None) -> np.ndarray:
+    """Occurrences of each token id in indexed dataset `prefix` (int64, length vocab_size),
+    in all its sequences or in `sequences=(begin, end)`.
 
     Cached (see module doc); `count_blend_frequencies` sums several datasets.
     """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-    path = frequency_cache_path(prefix, vocab_size, cache_dir)
+    sequences = None if sequences is None else (int(sequences[0]), int(sequences[1]))
+    path = frequency_cache_path(prefix, vocab_size, cache_dir, sequences)
     if use_cache and os.path.isfile(path):
         counts = np.load(path)
         if counts.shape == (vocab_size,) and counts.dtype == np.int64:
             return counts
-    counts = _count(prefix, vocab_size, chunk_tokens)
+    counts = _count(prefix, vocab_size, chunk_tokens, sequences)
     if use_cache:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp.{os.getpid()}"
@@ -94,9 +123,12 @@ def count_token_frequencies(prefix: str, vocab_size: int, cache_dir: str | None 
     return counts
 
 
-def count_blend_frequencies(prefixes: list[str], vocab_size: int, **kwargs) -> np.ndarray:
-    """Summed counts of several indexed datasets (a training blend, unweighted)."""
+def count_blend_frequencies(prefixes: list[str], vocab_size: int, split: str | None = None,
+                            **kwargs) -> np.ndarray:
+    """Summed counts of several indexed datasets (a training blend, unweighted); with
+    `split`, only each prefix's train share of it."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     for prefix in prefixes:
-        counts += count_token_frequencies(prefix, vocab_size, **kwargs)
+        sequences = train_sequence_range(prefix, split) if split else None
+        counts += count_token_frequencies(prefix, vocab_size, sequences=sequences, **kwargs)
     return counts

@@ -49,7 +49,8 @@ def plot_bucket_comparison(labels, values: dict[str, list], path: str, baseline:
         for k, (name, vals) in enumerate(series.items()):
             offset = (k - (len(series) - 1) / 2) * width
             heights = [math.nan if v is None else v for v in vals]
-            ax.bar([i + offset for i in x], heights, width, label=name)
+            # One colour per model in both panels.
+            ax.bar([i + offset for i in x], heights, width, label=name, color=f"C{models.index(name)}")
         ax.set_xticks(list(x))
         ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
         ax.grid(axis="y", alpha=0.3)
