@@ -3,6 +3,10 @@
 `load_config("lev-1.2b")` reads `megatron_lev/configs/lev-1.2b.yaml`; any path to a
 YAML file works too. A config file has a `model:` section and optionally a
 `training:` section (defaults that command-line flags override).
+
+A config may start from another: `base: lev-400m` (a packaged name, or a path relative to
+the file) loads that config first and merges this file over it, mappings key by key
+(`model: {embedding: tied}` changes only that field).
 """
 from __future__ import annotations
 
@@ -31,8 +35,32 @@ def config_path(name_or_path: str | Path) -> Path:
 
 def load_config(name_or_path: str | Path) -> dict:
     path = config_path(name_or_path)
-    with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, dict) or "model" not in data:
+    data = _load_with_bases(path.resolve(), ())
+    if "model" not in data:
         raise ValueError(f"{path}: a config must be a mapping with a 'model:' section")
     return data
+
+
+def _load_with_bases(path: Path, chain: tuple) -> dict:
+    if path in chain:
+        raise ValueError(f"{path}: 'base:' cycle ({' -> '.join(str(p) for p in (*chain, path))})")
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a config must be a mapping with a 'model:' section")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    relative = path.parent / str(base)
+    try:
+        base_path = relative if relative.suffix in (".yaml", ".yml") and relative.is_file() else config_path(base)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{path}: base: {exc}") from None
+    return _merge(_load_with_bases(base_path.resolve(), (*chain, path)), data)
+
+
+def _merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

@@ -1,0 +1,188 @@
+"""Parameter breakdowns of model configs, and the isoparametric planner.
+
+Isoparametric (v1 paper): LEV replaces a V x D table by a ~1-2 M parameter generator; the
+parameters it saves are spent on a deeper (or wider) backbone until the LEV model's total
+matches the baseline's. `plan_isoparametric` picks the depth (or width) whose total is
+closest to the baseline's, then, if that is still more than `tolerance` away, trims the MLP
+width (ffn_hidden_size, in multiples of 64, else 32, 16, 8) to land within it.
+
+CLI: `python tools/param_count.py --config lev-1.2b` (see `main`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import yaml
+
+from megatron_lev.configs import load_config
+from megatron_lev.model import EMBEDDING_KINDS, count_parameters, model_config_from_dict
+
+FFN_MULTIPLES = (64, 32, 16, 8)
+
+
+def _total(section: dict, tp: int) -> int:
+    return count_parameters(model_config_from_dict(section, tensor_model_parallel_size=tp))["total"]
+
+
+def compare_embeddings(section: dict, tensor_model_parallel_size: int = 1) -> dict:
+    """Total parameters of the same backbone with each input side: {kind: total}."""
+    return {kind: _total({**section, "embedding": kind}, tensor_model_parallel_size) for kind in EMBEDDING_KINDS}
+
+
+def plan_isoparametric(baseline: dict, lev: dict | None = None, vary: str = "depth", tolerance: float = 0.01,
+                       tensor_model_parallel_size: int = 1) -> dict:
+    """The LEV model (a `model:` section) whose total matches `baseline`'s within `tolerance`.
+
+    baseline: the baseline's `model:` section (tied or untied). lev: LEV generator fields
+    (default: the baseline's `lev:` section, else the spec's defaults). vary: "depth"
+    (num_layers) or "width" (hidden_size, in steps of one attention head; the MLP
+    keeps the baseline's ffn/hidden ratio): more heads of the same size).
+    """
+    tp = tensor_model_parallel_size
+    if vary not in ("depth", "width"):
+        raise ValueError(f"--vary {vary!r}: expected 'depth' or 'width'")
+    base_config = model_config_from_dict(baseline, tensor_model_parallel_size=tp)
+    target = count_parameters(base_config)["total"]
+    start = {**baseline, "embedding": "lev", "lev": dict(lev if lev is not None else baseline.get("lev") or {}),
+             "ffn_hidden_size": base_config.ffn_hidden_size}
+    if vary == "depth":
+        candidates = [{**start, "num_layers": n} for n in range(max(1, base_config.pipeline_model_parallel_size),
+                                                                4 * base_config.num_layers + 1)]
+    else:  # wider = more heads of the same size, the MLP keeping the baseline's ffn/hidden ratio
+        head_dim, groups = base_config.kv_channels, base_config.num_query_groups
+        mha = groups == base_config.num_attention_heads
+        ratio = base_config.ffn_hidden_size / base_config.hidden_size
+        candidates = []
+        for heads in range(1, 2 * base_config.num_attention_heads + 1):
+            if heads % tp or (not mha and heads % groups):
+                continue
+            hidden = heads * head_dim
+            candidates.append({**start, "hidden_size": hidden, "num_attention_heads": heads,
+                               "num_query_groups": heads if mha else groups, "kv_channels": head_dim,
+                               "ffn_hidden_size": max(64 * tp, round(ratio * hidden / (64 * tp)) * 64 * tp)})
+    best = min(candidates, key=lambda c: abs(_total(c, tp) - target))
+    plan = dict(best)
+    if abs(_total(plan, tp) - target) > tolerance * target:
+        plan = _fit_ffn(plan, target, tolerance, tp) or plan
+    total = _total(plan, tp)
+    difference = (total - target) / target
+    if abs(difference) > tolerance:
+        raise ValueError(f"--match-baseline: no LEV {vary} comes within {tolerance:.1%} of the baseline's "
+                         f"{target:,} parameters (closest: {total:,}, {difference:+.2%}); try --vary "
+                         f"{'width' if vary == 'depth' else 'depth'}")
+    return {"model": plan, "total": total, "baseline_total": target, "relative_difference": difference,
+            "vary": vary, "ffn_adjusted": plan["ffn_hidden_size"] != best["ffn_hidden_size"]}
+
+
+def _fit_ffn(plan: dict, target: int, tolerance: float, tp: int) -> dict | None:
+    """Solve total(ffn) = target (the total is linear in ffn) on the coarsest multiple that fits."""
+    config = model_config_from_dict(plan, tensor_model_parallel_size=tp)
+    per_unit = 3 * config.hidden_size * config.num_layers  # parameters per unit of ffn width
+    exact = config.ffn_hidden_size + (target - _total(plan, tp)) / per_unit
+    for multiple in FFN_MULTIPLES:
+        multiple = math.lcm(multiple, tp)
+        candidate = {**plan, "ffn_hidden_size": max(multiple, round(exact / multiple) * multiple)}
+        if abs(_total(candidate, tp) - target) <= tolerance * target:
+            return candidate
+    return None
+
+
+# --------------------------------------------------------------------------- printing
+
+
+def _fmt(n: int) -> str:
+    return f"{n:,}"
+
+
+def breakdown_table(name: str, section: dict, tensor_model_parallel_size: int = 1) -> str:
+    config = model_config_from_dict(section, tensor_model_parallel_size=tensor_model_parallel_size)
+    c = count_parameters(config)
+    total = c["total"]
+    input_name = {"lev": "embedding (LEV generator)", "tied": "embedding (table = head)",
+                  "untied": "embedding (table)"}[config.embedding]
+    rows = [
+        (input_name, c["embedding"]),
+        ("output head" + (" (tied: the table)" if config.embedding == "tied" else ""), c["output_layer"]),
+        ("per layer", c["per_layer"]),
+        ("  attention (qkv + out)", c["attention"]),
+        ("  mlp (gate_up + down)", c["mlp"]),
+        ("  norms", c["norms"]),
+        (f"layers ({config.num_layers} x)", c["layers"]),
+        ("final norm", c["final_norm"]),
+        ("total", total),
+    ]
+    lines = [
+        f"{name}: embedding={config.embedding}, vocab {config.vocab_size:,} (padded {config.padded_vocab_size:,} "
+        f"at TP={tensor_model_parallel_size}), {config.num_layers} layers, hidden {config.hidden_size}, "
+        f"ffn {config.ffn_hidden_size}, heads {config.num_attention_heads} ({config.num_query_groups} kv)",
+        f"{'component':<32}{'parameters':>16}{'share':>9}",
+    ]
+    for label, n in rows:
+        share = "" if label.startswith("  ") or label == "per layer" else f"{100 * n / total:8.2f}%"
+        lines.append(f"{label:<32}{_fmt(n):>16}{share:>9}")
+    if c["vocab_padding"]:
+        lines.append(f"(of which vocabulary padding rows: {_fmt(c['vocab_padding'])})")
+    totals = compare_embeddings(section, tensor_model_parallel_size)
+    lines.append("")
+    lines.append("same backbone, each input side:")
+    for kind, n in totals.items():
+        note = ""
+        if kind != config.embedding:
+            diff = total - n
+            note = f"   {config.embedding} - {kind} = {diff:+,} ({100 * diff / n:+.2f}%)"
+        lines.append(f"  {kind:<8}{_fmt(n):>16}{note}")
+    return "\n".join(lines)
+
+
+def plan_text(baseline_name: str, baseline: dict, plan: dict) -> str:
+    model = plan["model"]
+    changes = [f"num_layers {baseline.get('num_layers')} -> {model['num_layers']}",
+               f"hidden_size {baseline.get('hidden_size')} -> {model['hidden_size']}",
+               f"num_attention_heads {baseline.get('num_attention_heads')} -> {model['num_attention_heads']}",
+               f"ffn_hidden_size {model['ffn_hidden_size']}" + (" (trimmed to fit)" if plan["ffn_adjusted"] else "")]
+    return "\n".join([
+        f"isoparametric LEV for {baseline_name} ({plan['baseline_total']:,} parameters), varying {plan['vary']}:",
+        "  " + ", ".join(changes),
+        f"  LEV total {plan['total']:,} ({plan['relative_difference']:+.3%} vs the baseline)",
+        "",
+        yaml.safe_dump({"model": model}, sort_keys=False).rstrip(),
+    ])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="tools/param_count.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="packaged config name (e.g. lev-1.2b) or a YAML path")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="vocabulary padding depends on it (default 1)")
+    p.add_argument("--match-baseline", metavar="CONFIG",
+                   help="plan the LEV model whose total matches this baseline config's (isoparametric)")
+    p.add_argument("--vary", choices=("depth", "width"), default="depth", help="what the planner changes")
+    p.add_argument("--tolerance", type=float, default=0.01, help="planner tolerance (default 0.01 = 1%%)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    args = p.parse_args(argv)
+    if not args.config and not args.match_baseline:
+        p.error("give --config and/or --match-baseline")
+    tp = args.tensor_model_parallel_size
+    try:
+        out = {}
+        text = []
+        if args.config:
+            section = load_config(args.config)["model"]
+            counts = count_parameters(model_config_from_dict(section, tensor_model_parallel_size=tp))
+            out["config"] = {"name": args.config, "counts": counts, "by_embedding": compare_embeddings(section, tp)}
+            text.append(breakdown_table(args.config, section, tp))
+        if args.match_baseline:
+            baseline = load_config(args.match_baseline)["model"]
+            lev = load_config(args.config)["model"].get("lev") if args.config else None
+            plan = plan_isoparametric(baseline, lev, vary=args.vary, tolerance=args.tolerance,
+                                      tensor_model_parallel_size=tp)
+            out["plan"] = plan
+            text.append(plan_text(args.match_baseline, baseline, plan))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(out, indent=2) if args.json else "\n\n".join(text))
+    return 0

@@ -1,0 +1,14 @@
+#!/usr/bin/env python
+"""Parameter breakdown of a model config, and the isoparametric planner.
+
+    python tools/param_count.py --config lev-1.2b [--tensor-model-parallel-size N] [--json]
+    python tools/param_count.py --match-baseline untied-400m [--config lev-400m] [--vary depth|width]
+
+The logic lives in megatron_lev/param_count.py.
+"""
+import sys
+
+from megatron_lev.param_count import main
+
+if __name__ == "__main__":
+    sys.exit(main())
