@@ -123,6 +123,31 @@ def test_huggingface_tokenizer_special_tokens_and_round_trip(tmp_path, corpus_te
         HuggingFaceTokenizer(str(other))
 
 
+
+def test_train_tokenizer_tool(tmp_path, python_corpus, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_tokenizer", os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "train_tokenizer.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    model = tmp_path / "tok" / "uni.model"
+    tool.main(["--input", python_corpus, "--output", str(model), "--vocab-size", "700", "--model-type", "unigram",
+               "--user-defined-symbols", "<|im_start|>", "<|im_end|>", "--sample-documents", "300",
+               "--num-threads", "1"])
+    assert "wrote" in capsys.readouterr().out
+    assert sorted(os.listdir(model.parent)) == ["uni.model", "uni.vocab"]  # no temporary files left
+    tok = build_tokenizer("SentencePieceTokenizer", str(model))
+    assert tok.vocab_size == 700 and (tok.bos, tok.eod, tok.pad) == (1, 2, 3)
+    # User-defined symbols get the ids after the specials and are never split.
+    ids = tok.tokenize("<|im_start|>user text<|im_end|>")
+    assert ids.count(4) == 1 and ids.count(5) == 1 and ids.index(4) < ids.index(5)
+    text = "def f():\n    return 'ünïcödé ∑ 𝔘'  # unseen characters go through byte fallback"
+    assert tok.detokenize(tok.tokenize(text)) == text
+    with pytest.raises(SystemExit):
+        tool.main(["--input", python_corpus, "--output", str(tmp_path / "bad.bin"), "--vocab-size", "700"])
+    assert "must end with .model" in capsys.readouterr().err
+
 # ----------------------------------------------------------------------------- datasets
 
 
