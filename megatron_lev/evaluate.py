@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from megatron_lev.evaluation import buckets as bk
-from megatron_lev.evaluation.frequency import count_blend_frequencies, frequency_cache_path
+from megatron_lev.evaluation.frequency import count_blend_frequencies, frequency_cache_path, train_sequence_range
 from megatron_lev.evaluation.report import ComparisonTable, parse_named, write_json_atomic, write_text_atomic
 
 _TAG_DIR = re.compile(r"^iter_(\d+)$")
@@ -250,38 +250,37 @@ def score_models(models: list[LoadedModel], batches, bucketings: dict[str, bk.Bu
 # --------------------------------------------------------------------------- report
 
 
-def frequency_split(args, settings: dict) -> Optional[str]:
+def frequency_split(prefixes: list[str], freq_split: str, settings: dict) -> Optional[str]:
     """The split whose train share is counted: --freq-split, or with 'auto' the evaluation's
     split when every --freq-dataset prefix is one of the evaluated --data-path prefixes (so
     validation documents never count as training data)."""
-    if args.freq_split == "none":
+    if freq_split == "none":
         return None
-    if args.freq_split != "auto":
-        return args.freq_split
+    if freq_split != "auto":
+        return freq_split
     from megatron_lev.data.datasets import parse_blend
 
     blend = parse_blend(settings.get("data_path")) if settings.get("data_path") else None
     evaluated = {os.path.abspath(p) for p in blend[0]} if blend else set()
-    if settings.get("split") and all(os.path.abspath(p) in evaluated for p in args.freq_dataset):
+    if settings.get("split") and all(os.path.abspath(p) in evaluated for p in prefixes):
         return settings["split"]
     return None
 
 
 def frequency_section(args, settings: dict, vocab_size: int) -> tuple[np.ndarray, dict[str, bk.Bucketing], dict]:
-    from megatron_lev.data.datasets import check_dataset_prefix
-    from megatron_lev.evaluation.frequency import train_sequence_range
+    """Counts over the --freq-dataset prefixes (a blend's weights are ignored: raw counts)."""
+    from megatron_lev.data.datasets import parse_blend
 
-    for prefix in args.freq_dataset:
-        check_dataset_prefix(prefix, "--freq-dataset")
-    split = frequency_split(args, settings)
-    counts = count_blend_frequencies(args.freq_dataset, vocab_size, split=split, cache_dir=args.freq_cache_dir)
+    prefixes = parse_blend(args.freq_dataset, "--freq-dataset")[0]
+    split = frequency_split(prefixes, args.freq_split, settings)
+    counts = count_blend_frequencies(prefixes, vocab_size, split=split, cache_dir=args.freq_cache_dir)
     bucketings = {spec: bk.build_bucketing(spec, counts) for spec in args.buckets}
-    ranges = [train_sequence_range(p, split) if split else None for p in args.freq_dataset]
-    meta = {"datasets": list(args.freq_dataset), "train_split_of": split,
+    ranges = [train_sequence_range(p, split) if split else None for p in prefixes]
+    meta = {"datasets": prefixes, "train_split_of": split,
             "sequences": [list(r) if r else "all" for r in ranges], "vocab_size": vocab_size,
             "train_tokens": int(counts.sum()), "unseen_types": int((counts == 0).sum()),
             "counts_cache": [frequency_cache_path(p, vocab_size, args.freq_cache_dir, r)
-                             for p, r in zip(args.freq_dataset, ranges)]}
+                             for p, r in zip(prefixes, ranges)]}
     return counts, bucketings, meta
 
 
@@ -350,7 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-size", type=int, default=8)
     g = p.add_argument_group("frequency-stratified perplexity")
     g.add_argument("--freq-dataset", nargs="+", metavar="TRAIN_PREFIX",
-                   help="training data to count token frequencies on (several prefixes are summed)")
+                   help="training data to count token frequencies on: prefixes (summed) or a --data-path "
+                        "blend (weights ignored)")
     g.add_argument("--buckets", action="append", metavar="KIND[:N]",
                    help="quantile[:N buckets] or log[:base]; repeat (default: quantile:5 and log:10)")
     g.add_argument("--freq-split", default="auto",

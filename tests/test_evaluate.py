@@ -285,7 +285,7 @@ def test_evaluate_perplexity_frequency_tables_and_plots(lev_run, lev_exports, ti
     result = evaluate.main([
         "--model", f"lev={lev_run}", "--model", f"hf={lev_exports['iter4']}", "--model", f"early={lev_exports['iter2']}",
         "--baseline", "early", "--eval-tokens", str(n_tokens), "--micro-batch-size", "3",
-        "--freq-dataset", tiny_dataset, "--buckets", "quantile:4", "--buckets", "log", "--device", "cpu",
+        "--freq-dataset", "1.0", tiny_dataset, "--buckets", "quantile:4", "--buckets", "log", "--device", "cpu",
         "--output-dir", str(out), "--plot-width", "1000", "--plot-height", "700"])
     saved = json.load(open(out / "evaluation.json"))
     assert saved["models"]["lev"]["ppl"] == result["models"]["lev"]["ppl"]
