@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def python_corpus(tmp_path_factory) -> str:
     """Path of a small Pile-format corpus (.jsonl.zst, {"text", "meta": {"pile_set_name"}}):
-    the 79 pydoc topics then standard-library docstrings, 500 documents."""
+    the pydoc topics (79 on Python 3.11) then standard-library docstrings, 500 documents."""
     from tests.fixtures import build_corpus
 
     return build_corpus(str(tmp_path_factory.mktemp("corpus")))

@@ -2,7 +2,7 @@
 tiny_dataset). Small and fast: about 500 documents, a 1000-token vocabulary.
 
 Facts tests may rely on (asserted in tests/test_data.py):
-  corpus     pydoc topics (79 documents, pile_set_name "pydoc_topics") then standard-library
+  corpus     the pydoc topics (79 on Python 3.11, pile_set_name "pydoc_topics") then standard-library
              docstrings ("stdlib_docstrings"), CORPUS_DOCUMENTS in all, .jsonl.zst
   tokenizer  SentencePiece BPE, vocab_size SPM_VOCAB_SIZE = 1000, lossless
              ids: unk 0, bos 1, eod (</s>) 2, pad 3

@@ -38,9 +38,12 @@ def test_python_corpus_is_pile_format_and_deterministic(python_corpus, tmp_path)
     records = [json.loads(line) for line in raw.splitlines()]
     assert len(records) == CORPUS_DOCUMENTS
     assert all(set(r) == {"text", "meta"} and set(r["meta"]) == {"pile_set_name"} for r in records)
+    from pydoc_data.topics import topics
+
     subsets = [r["meta"]["pile_set_name"] for r in records]
-    assert subsets == ["pydoc_topics"] * 79 + ["stdlib_docstrings"] * (CORPUS_DOCUMENTS - 79)
-    assert records[79]["text"].startswith("abc\n\n")  # docstrings follow module order
+    assert subsets == ["pydoc_topics"] * len(topics) + ["stdlib_docstrings"] * (CORPUS_DOCUMENTS - len(topics))
+    assert [r["text"] for r in records[:len(topics)]] == [topics[k] for k in sorted(topics)]
+    assert records[len(topics)]["text"].startswith("abc\n\n")  # docstrings follow module order
     assert all(len(r["text"]) >= 32 for r in records)
 
 
