@@ -17,20 +17,26 @@
 #     goes to the job steps, and the shell would have to guess why the step ended;
 #   - bash runs a trap only between commands, so srun runs in the background and the
 #     shell sits in `wait`, which a trapped signal interrupts at once;
-#   - the trap forwards USR1 to srun, which forwards it to its tasks (Slurm signals
-#     every process of the step: torchrun and, with proctrack/cgroup, the trainer
-#     processes too). torchrun is told to handle USR1 (--signals-to-handle) so it
-#     passes it on to the trainer processes and waits up to SHUTDOWN_TIMEOUT seconds
-#     for them; without that USR1's default action would kill torchrun, and Slurm would
-#     kill the trainers mid-checkpoint when their step's task disappeared;
-#   - the trainer checkpoints at the next step boundary and exits 0 (torchrun itself
-#     then exits non-zero because it was "killed" by a signal: expected, ignored);
+#   - the trap sends USR1 to srun, which forwards USR1 to its tasks as it is (Slurm
+#     signals every process of the step: torchrun and, with proctrack/cgroup, the
+#     trainer processes too). torchrun is told to handle USR1 (--signals-to-handle), so
+#     it passes USR1 on to the trainers and waits up to SHUTDOWN_TIMEOUT seconds for
+#     them; without that, USR1's default action would kill torchrun, and Slurm would
+#     kill the trainers mid-checkpoint once their step's task was gone;
+#   - the trainers agree on the stop at the next step boundary, checkpoint and exit 0
+#     (torchrun itself then exits 1, because it "died" of a signal: expected);
 #   - the shell runs `scontrol requeue "$SLURM_JOB_ID"`; the job goes back to the queue
 #     with the same id and, when it starts again, `--load` resumes from `latest`.
-# A real preemption (PreemptMode=REQUEUE) sends SIGTERM to every process instead; the
-# trainer checkpoints on SIGTERM as well, and Slurm requeues the job itself, so the
-# SIGTERM trap only forwards the signal and never requeues (an `scancel` sends SIGTERM
-# too, and must stay cancelled).
+# The shell never sends SIGTERM to srun: srun answers SIGTERM (and SIGHUP, SIGQUIT) by
+# SIGKILLing its tasks ("srun: forcing job termination"), which would lose the
+# checkpoint. So a SIGTERM to the batch shell (`scancel --batch --signal=TERM`, or an
+# `scancel` that also signals the step) is passed on as USR1 (the trainer treats USR1
+# and SIGTERM alike), and never leads to a requeue: a cancelled job stays cancelled.
+# A preemption (PreemptMode=REQUEUE) sends SIGTERM to the step's processes directly:
+# torchrun forwards it, the trainers checkpoint within the site's GraceTime, and Slurm
+# requeues the job itself (--requeue).
+# With torch < 2.9, torchrun cannot handle USR1 (no --signals-to-handle): stop requests
+# then go to the step as SIGTERM through `scancel --signal=TERM` (torchrun_features).
 
 die() {
     echo "slurm: error: $*" >&2
@@ -149,6 +155,21 @@ gpu_defaults() {
     : "${TP:=1}" "${PP:=1}" "${MICRO_BATCH:=$((tokens / SEQ_LENGTH > 0 ? tokens / SEQ_LENGTH : 1))}"
 }
 
+# Which of torchrun's newer flags this torch has, read from its source (importing torch
+# takes seconds): --signals-to-handle (torch 2.9) lets torchrun pass USR1 on to the
+# trainers, --shutdown-timeout (torch 2.11) sets how long it then waits for them
+# (30 s before). Sets TORCHRUN_USR1 and TORCHRUN_SHUTDOWN_TIMEOUT to 1 or 0.
+torchrun_features() {
+    local run_py
+    run_py=$(python -c 'import importlib.util, os
+spec = importlib.util.find_spec("torch")
+print(os.path.join(spec.submodule_search_locations[0], "distributed", "run.py"))' 2>/dev/null) \
+        || die "torch is not installed for $(command -v python): set VENV, or load it in SITE_ENV"
+    TORCHRUN_USR1=0 TORCHRUN_SHUTDOWN_TIMEOUT=0
+    if grep -q -- '"--signals-to-handle"' "$run_py"; then TORCHRUN_USR1=1; fi
+    if grep -q -- '"--shutdown-timeout"' "$run_py"; then TORCHRUN_SHUTDOWN_TIMEOUT=1; fi
+}
+
 # NCCL / CUDA defaults that are right on any cluster. Each can be overridden from the
 # environment. Network settings (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, FI_PROVIDER, ...)
 # are SITE-SPECIFIC and belong in SITE_ENV, never here.
@@ -210,11 +231,10 @@ build_commands() {
         --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
         --rdzv-id "$JOB_ID"
         --max-restarts 0  # restarts are Slurm's job (requeue), not torchrun's
-        --signals-to-handle "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-        --shutdown-timeout "$SHUTDOWN_TIMEOUT"
-        -m megatron_lev.train
-        "${train_args[@]}"
     )
+    ((TORCHRUN_USR1 == 0)) || torchrun_cmd+=(--signals-to-handle "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    ((TORCHRUN_SHUTDOWN_TIMEOUT == 0)) || torchrun_cmd+=(--shutdown-timeout "$SHUTDOWN_TIMEOUT")
+    torchrun_cmd+=(-m megatron_lev.train "${train_args[@]}")
     srun_cmd=(
         srun
         --nodes "$NODES"
@@ -246,16 +266,29 @@ print_dry_run() {
 }
 
 # Signal handling (see the top of this file).
+# Ask the trainers to checkpoint at the next step and exit.
+stop_step() {
+    [[ -n ${STEP_PID:-} ]] || return 0
+    if ((${TORCHRUN_USR1:-1})); then
+        kill -USR1 "$STEP_PID" 2>/dev/null || true  # srun forwards USR1 to its tasks as it is
+    else
+        # This torchrun would die of USR1: SIGTERM every process of the step through
+        # Slurm instead (not through srun, which would SIGKILL them). The batch step is
+        # left out, as scancel does without --batch/--full.
+        scancel --signal=TERM "$JOB_ID" || true
+    fi
+}
+
 _on_usr1() {
     log "USR1: the time limit is near; asking the trainer to checkpoint and exit, then requeueing"
     REQUEUE=1
-    if [[ -n ${STEP_PID:-} ]]; then kill -USR1 "$STEP_PID" 2>/dev/null || true; fi
+    stop_step
 }
 
 _on_term() {
-    log "TERM: forwarding to the job step (no requeue: Slurm requeues preempted jobs itself)"
+    log "TERM: asking the trainer to checkpoint and exit (no requeue)"
     TERMINATED=1
-    if [[ -n ${STEP_PID:-} ]]; then kill -TERM "$STEP_PID" 2>/dev/null || true; fi
+    stop_step
 }
 
 latest_iteration() {
@@ -263,6 +296,10 @@ latest_iteration() {
 }
 
 launch_training() {
+    # Traps first: a signal during the set-up is then remembered, not fatal.
+    REQUEUE=0 TERMINATED=0 STEP_PID=
+    trap _on_usr1 USR1
+    trap _on_term TERM
     setup_python_env
     [[ -n ${CONFIG:-} ]] || die "CONFIG is not set (the sbatch script sets it)"
     [[ -n ${DATA_PATH:-} ]] || die "DATA_PATH is not set: export DATA_PATH=\"PREFIX\" or a blend \"W1 PREFIX1 W2 PREFIX2\" (tools/make_blend.py prints one)"
@@ -313,6 +350,7 @@ launch_training() {
     # node get different ports (same formula as megatron_lev.parallel.detect_launch_env).
     : "${MASTER_PORT:=$((10000 + JOB_ID % 50000))}"
     export_runtime_env
+    torchrun_features
     build_commands
 
     if [[ ${DRY_RUN:-0} == 1 ]]; then
@@ -321,12 +359,13 @@ launch_training() {
     fi
 
     mkdir -p "$JOB_LOG_DIR" "$CHECKPOINT_DIR"
-    REQUEUE=0 TERMINATED=0 STEP_PID=
-    trap _on_usr1 USR1
-    trap _on_term TERM
     {
         log "job $JOB_ID restart $RESTART on ${HOSTS[*]:0:NODES}; resuming from checkpoint: $(latest_iteration)"
         echo "srun command: $(print_cmd "${srun_cmd[@]}")"
+        ((TORCHRUN_USR1)) || log "warning: this torchrun has no --signals-to-handle (torch < 2.9):" \
+            "stop requests reach the trainers as SIGTERM through scancel"
+        ((TORCHRUN_SHUTDOWN_TIMEOUT)) || log "warning: this torchrun has no --shutdown-timeout (torch < 2.11):" \
+            "after a signal it kills the trainers 30 s later, so a checkpoint must be written within 30 s"
     } | tee -a "$JOB_LOG_DIR/launch.log"
 
     local rc=0 resumed_from
@@ -346,16 +385,27 @@ launch_training() {
     fi
     {
         log "job step exited with status $rc; latest checkpoint: $(latest_iteration)"
-        if ((REQUEUE == 1)); then
+        if ((REQUEUE == 1 || TERMINATED == 1)); then
             # torchrun exits 1 (SignalException) after passing a signal on, even when every
             # trainer checkpointed and exited 0; the trainers' own lines are in the node logs.
-            log "(a non-zero status is expected after USR1: torchrun reports the signal it forwarded)"
+            log "(a non-zero status is expected after a signal: torchrun reports the one it forwarded)"
             [[ $(latest_iteration) != "$resumed_from" ]] \
                 || log "warning: no new checkpoint since $resumed_from; see $JOB_LOG_DIR/restart$RESTART-node*.log"
         fi
     } | tee -a "$JOB_LOG_DIR/launch.log"
 
-    if ((REQUEUE == 1 && TERMINATED == 0)); then
+    # "training done: ..." is the trainer's last line (megatron_lev/train.py).
+    if ((TERMINATED == 1)); then
+        # Stopped on request: a clean stop (a new checkpoint) ends the job successfully.
+        log "not requeueing after SIGTERM" | tee -a "$JOB_LOG_DIR/launch.log"
+        [[ $(latest_iteration) == "$resumed_from" ]] || exit 0
+        exit "$rc"
+    fi
+    if ((REQUEUE == 1)) && grep -qs "^training done" "$JOB_LOG_DIR/restart$RESTART-node"*.log; then
+        log "not requeueing: training finished before the signal took effect" | tee -a "$JOB_LOG_DIR/launch.log"
+        exit 0
+    fi
+    if ((REQUEUE == 1)); then
         if ((RESTART >= MAX_REQUEUES)); then
             log "not requeueing: restart $RESTART reached MAX_REQUEUES=$MAX_REQUEUES" | tee -a "$JOB_LOG_DIR/launch.log"
             exit 1

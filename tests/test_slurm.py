@@ -180,6 +180,60 @@ def test_clear_errors(fake_inputs, env, message):
     assert proc.stderr.count("\n") == 1  # one line
 
 
+def _fake_torch(root: Path, *flags: str) -> Path:
+    """A `torch` package whose torchrun source mentions only `flags` (older releases)."""
+    run_py = root / "torch" / "distributed" / "run.py"
+    run_py.parent.mkdir(parents=True)
+    (root / "torch" / "__init__.py").write_text("")
+    run_py.write_text("".join(f'parser.add_argument("{f}")\n' for f in flags))
+    return root
+
+
+@pytest.mark.parametrize("flags", [(), ("--signals-to-handle",)])
+def test_dry_run_on_older_torch(tmp_path, fake_inputs, flags):
+    """torch < 2.9 lacks --signals-to-handle, < 2.11 --shutdown-timeout: torchrun would
+    refuse them, so they are left out."""
+    env = {k: v for k, v in fake_inputs.items() if k != "prefixes"}
+    proc = run_script("train_lev_1b.sh", DRY_RUN=1, PYTHONPATH=_fake_torch(tmp_path / "old", *flags), **env)
+    assert proc.returncode == 0, proc.stderr
+    (cmd, *_) = [shlex.split(l) for l in proc.stdout.splitlines() if l.startswith("torchrun ")]
+    assert ("--signals-to-handle" in cmd) == bool(flags)
+    assert "--shutdown-timeout" not in cmd
+    assert cmd[cmd.index("--max-restarts") + 2:][:2] == (["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+                                                          if flags else ["-m", "megatron_lev.train"])
+
+
+def test_stop_requests_reach_the_step(tmp_path):
+    """The batch shell's traps: with a torchrun that handles USR1 they send USR1 to srun
+    (which forwards it as it is); with an older one, SIGTERM to the step through scancel.
+    Never SIGTERM to srun (it would SIGKILL the trainers)."""
+    got = tmp_path / "step_got"
+    scancels = tmp_path / "scancels"
+    script = f"""
+set -euo pipefail
+MEGATRON_LEV_DIR={shlex.quote(str(REPO))}
+source "$MEGATRON_LEV_DIR/slurm/common.sh"
+JOB_ID=4242
+# A stand-in for srun: records the signals it receives.
+bash -c 'trap "echo USR1 >>{got}" USR1; trap "echo TERM >>{got}" TERM; while :; do sleep 0.05; done' &
+STEP_PID=$!
+sleep 0.5
+TORCHRUN_USR1=1
+_on_usr1; sleep 0.3  # apart: the stand-in would see two quick USR1s as one
+_on_term; sleep 0.3
+TORCHRUN_USR1=0
+_on_usr1; _on_term; sleep 0.3
+kill -KILL "$STEP_PID"
+echo "REQUEUE=$REQUEUE TERMINATED=$TERMINATED"
+"""
+    proc = subprocess.run(["bash", "-c", script], env=script_env(SCANCEL_SHIM_LOG=scancels),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "REQUEUE=1 TERMINATED=1"
+    assert got.read_text().split() == ["USR1", "USR1"]
+    assert scancels.read_text().splitlines() == ["scancel --signal=TERM 4242"] * 2
+
+
 def test_preprocess_pile_dry_run(tmp_path, fake_inputs):
     pile = tmp_path / "pile"
     (pile / "train").mkdir(parents=True)
@@ -224,12 +278,17 @@ def _write_dataset(prefix: Path, docs: list[list[int]]) -> None:
     builder.finalize(f"{prefix}.idx")
 
 
-def test_make_blend(tmp_path):
+def _import_make_blend():
     sys.path.insert(0, str(REPO / "tools"))
     try:
         import make_blend
     finally:
         sys.path.pop(0)
+    return make_blend
+
+
+def test_make_blend(tmp_path, capsys):
+    make_blend = _import_make_blend()
     train = tmp_path / "train"
     train.mkdir()
     _write_dataset(train / "pile_00_text_document", [[1, 2, 3], [4, 5]])        # 5 tokens
@@ -241,6 +300,8 @@ def test_make_blend(tmp_path):
     assert blend.split() == ["0.125", p0, "0.375", p1, "0.5", p2]
     assert make_blend.make_blend(make_blend.find_prefixes([str(train)], exclude="pile_0[12]")) == f"1 {p0}"
     assert make_blend.make_blend(make_blend.find_prefixes([p2 + ".idx", p1]), "equal") == f"0.5 {p2} 0.5 {p1}"
+    make_blend.main([str(train), "--exclude", "pile_00"])
+    assert capsys.readouterr().out == f"0.42857143 {p1} 0.57142857 {p2}\n"  # 15 and 20 of 35 tokens
     with pytest.raises(SystemExit, match="pile_09.bin: no such file"):
         make_blend.find_prefixes([str(train / "pile_09")])
     with pytest.raises(SystemExit, match="no \\*.idx files"):
@@ -318,10 +379,11 @@ class BatchJob:
                 self.proc.wait()
 
 
-def test_train_lev_1b_runs_checkpoints_on_usr1_requeues_and_resumes(tmp_path, tiny_dataset, spm_tokenizer):
+def test_train_lev_1b_checkpoints_on_usr1_requeues_resumes_and_stops_on_term(tmp_path, tiny_dataset, spm_tokenizer):
     """1 node x 2 CPU processes (TP=2) through the srun/scontrol shims: train, USR1 to the
     batch shell -> checkpoint at the next step, exit 0, `scontrol requeue`; the requeued
-    job (same id, SLURM_RESTART_COUNT=1) resumes from that checkpoint; USR1 again."""
+    job (same id, SLURM_RESTART_COUNT=1) resumes from that checkpoint; SIGTERM then
+    stops it with a checkpoint and no requeue."""
     from megatron_lev.checkpointing import find_latest
 
     port = _free_port_below(60000)
@@ -358,18 +420,22 @@ def test_train_lev_1b_runs_checkpoints_on_usr1_requeues_and_resumes(tmp_path, ti
     node_log = (job_logs / "restart0-node0.log").read_text()
     assert f"exiting at iteration {stopped_at} (signal)" in node_log
 
-    # The requeued job: same id, same command; it must resume, not restart.
+    # The requeued job: same id, same command; it must resume, not restart. This time
+    # the batch shell gets SIGTERM (`scancel --batch --signal=TERM`): the shell passes it
+    # on as USR1 (srun would SIGKILL its tasks on SIGTERM; the shim does too), so the
+    # trainer checkpoints, and the job ends cleanly without a requeue.
     env["SLURM_RESTART_COUNT"] = "1"
     job = BatchJob(env, tmp_path / "run1.out")
     try:
         job.wait_until(lambda: any(r["iteration"] >= stopped_at + 3 for r in _training_records(metrics)),
                        400, f"iteration {stopped_at + 3} after the resume")
-        job.proc.send_signal(signal.SIGUSR1)
+        job.proc.send_signal(signal.SIGTERM)
         rc = job.finish(300)
     finally:
         job.kill()
     assert rc == 0, job.logs()
-    assert requeues.read_text().splitlines() == [f"requeue {job_id}"] * 2
+    assert requeues.read_text().splitlines() == [f"requeue {job_id}"]  # no second requeue
+    assert "not requeueing after SIGTERM" in job.out.read_text()
     records = _training_records(metrics)
     second_stop = records[-1]["iteration"]
     assert second_stop >= stopped_at + 3
@@ -385,8 +451,8 @@ def test_train_lev_1b_runs_checkpoints_on_usr1_requeues_and_resumes(tmp_path, ti
 
 def test_preprocess_pile_task_runs_preprocess_data(tmp_path, python_corpus, spm_tokenizer):
     """One real array task: the script's command line is one tools/preprocess_data.py
-    accepts; a finished task is skipped when the array is resubmitted; make_blend.py
-    turns the outputs into the blend."""
+    accepts; a finished task is skipped when the array is resubmitted; make_blend turns
+    the outputs into the blend."""
     pile, out = tmp_path / "pile", tmp_path / "tok"
     (pile / "train").mkdir(parents=True)
     (pile / "train" / "00.jsonl.zst").symlink_to(python_corpus)
@@ -400,7 +466,5 @@ def test_preprocess_pile_task_runs_preprocess_data(tmp_path, python_corpus, spm_
     proc = run_script("preprocess_pile.sh", **env)
     assert proc.returncode == 0 and f"{prefix}.idx exists, skipping" in proc.stdout
 
-    blend = subprocess.run([sys.executable, str(REPO / "tools" / "make_blend.py"), str(out / "train")],
-                           capture_output=True, text=True, timeout=300)
-    assert blend.returncode == 0, blend.stderr
-    assert blend.stdout.split() == ["1", str(prefix)]
+    make_blend = _import_make_blend()
+    assert make_blend.make_blend(make_blend.find_prefixes([str(out / "train")])) == f"1 {prefix}"
