@@ -253,7 +253,7 @@ print_dry_run() {
     echo "# DRY_RUN=1: nothing was launched. Environment exported to every task:"
     local var
     for var in CUDA_DEVICE_MAX_CONNECTIONS TORCH_NCCL_ASYNC_ERROR_HANDLING PYTORCH_CUDA_ALLOC_CONF \
-        NCCL_DEBUG PYTHONUNBUFFERED TOKENIZERS_PARALLELISM; do
+        NCCL_DEBUG PYTHONUNBUFFERED TOKENIZERS_PARALLELISM PYTHONPATH; do
         echo "export $var=${!var@Q}"
     done
     echo "# The batch shell runs (one task per node, logs in $JOB_LOG_DIR):"
