@@ -140,14 +140,14 @@ PY
 }
 
 # Per-GPU defaults, sized for the 1.2B configs (README "Running on a Slurm cluster"):
-# under ZeRO-1 the weights, gradients and Adam states of 1.2B parameters take 10-14 GB
+# under ZeRO-1 the weights, gradients and Adam states of 1.2B parameters take 10-12 GB
 # per GPU at TP=1, so tensor parallelism would only add communication; the micro batch
 # is what the activations allow, about 5.6 GB per 2048-token sequence (tokens per GPU
 # per micro-batch below, divided by the sequence length).
 gpu_defaults() {
     local tokens
     case $GPU_TYPE in
-        a100) tokens=8192 ;;   # 40 or 80 GB
+        a100) tokens=8192 ;;   # 80 GB (fits 40 GB cards, with little headroom)
         h100) tokens=16384 ;;  # 80 GB
         h200) tokens=32768 ;;  # 141 GB
         *) die "GPU_TYPE=$GPU_TYPE: expected a100, h100 or h200" ;;
