@@ -39,7 +39,6 @@ import json
 import math
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -424,4 +423,4 @@ def run(args) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    main()

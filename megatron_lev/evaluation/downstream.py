@@ -26,6 +26,7 @@ Output: `downstream.json` (every metric lm-eval reports, per model and task) and
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -55,6 +56,14 @@ def _lm_eval_tasks_dir() -> Path:
     return Path(lm_eval.tasks.__file__).resolve().parent
 
 
+@functools.lru_cache(maxsize=1)
+def _full_task_index() -> dict:
+    """lm-eval's index of every task it ships (parses all its YAMLs: seconds, so built once)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager().task_index
+
+
 def lm_eval_task_source(task: str) -> tuple[Path, str]:
     """(lm-eval's YAML for `task`, the split it evaluates on)."""
     if task in _KNOWN_TASKS:
@@ -62,9 +71,7 @@ def lm_eval_task_source(task: str) -> tuple[Path, str]:
         path = _lm_eval_tasks_dir() / rel
         if path.is_file():
             return path, split
-    from lm_eval.tasks import TaskManager
-
-    entry = TaskManager().task_index.get(task)
+    entry = _full_task_index().get(task)
     if entry is None or entry.yaml_path is None or not entry.cfg:
         raise ValueError(f"--tasks {task}: not a YAML task of this lm-eval (local data needs one)")
     split = entry.cfg.get("test_split") or entry.cfg.get("validation_split")
