@@ -370,14 +370,27 @@ def test_lm_eval_runs_offline_on_local_tasks(tmp_path, lev_exports, monkeypatch)
             {"goal": "bird", "sol1": "swim", "sol2": "fly", "label": 1}]
     lambada = [{"text": t} for t in ("the cat sat on the mat", "the dog ran to the park", "the sun is hot",
                                      "ice melt in the sun")]
+    # One document each for the other paper tasks: their lm-eval YAMLs (process_docs,
+    # !function hooks) must run on local files too.
+    others = {
+        "hellaswag": [{"ind": 1, "activity_label": "Cooking", "ctx_a": "A man puts water in a pot.", "ctx_b": "he",
+                       "ctx": "A man puts water in a pot. he", "endings": ["boils it.", "eats the pot.", "sings."],
+                       "source_id": "x", "split": "val", "split_type": "indomain", "label": "0"}],
+        "arc_easy": [{"id": "q1", "question": "Which is a liquid?", "answerKey": "A",
+                      "choices": {"text": ["water", "rock", "wood"], "label": ["A", "B", "C"]}}],
+        "arc_challenge": [{"id": "q2", "question": "What melts ice?", "answerKey": "1",
+                           "choices": {"text": ["heat", "cold"], "label": ["1", "2"]}}],
+        "winogrande": [{"sentence": "The trophy did not fit in the suitcase because _ was too big.",
+                        "option1": "trophy", "option2": "suitcase", "answer": "1"}],
+    }
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    for name, rows in (("piqa", piqa), ("lambada_openai", lambada)):
+    for name, rows in (("piqa", piqa), ("lambada_openai", lambada), *others.items()):
         (data_dir / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     out_dir = tmp_path / "out"
     result = downstream.main(["--model", f"base={lev_exports['iter2']}", "--model",
-                              f"other={lev_exports['iter4']}", "--tasks", "piqa,lambada_openai",
+                              f"other={lev_exports['iter4']}", "--tasks", ",".join(downstream.PAPER_TASKS),
                               "--data-dir", str(data_dir), "--device", "cpu", "--dtype", "float32",
                               "--batch-size", "4", "--log-samples", "--output-dir", str(out_dir)])
 
@@ -405,6 +418,8 @@ def test_lm_eval_runs_offline_on_local_tasks(tmp_path, lev_exports, monkeypatch)
             got = [r[0][0] for r in sample["resps"]]
             np.testing.assert_allclose(got, lls[sample["doc_id"]], atol=1e-4)
         assert saved["models"][name]["tasks"]["piqa"]["acc"] == pytest.approx(acc, abs=1e-9)
+        for task in others:
+            assert tasks[task]["num_examples"] == 1 and tasks[task]["acc"] in (0.0, 1.0)
     rel = result["table"]["rows"]
     by_label = {r["label"]: r for r in rel}
     base_acc = by_label["piqa / acc"]["values"]["base"]
