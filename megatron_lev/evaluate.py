@@ -50,6 +50,7 @@ from megatron_lev.evaluation.frequency import count_blend_frequencies, frequency
 from megatron_lev.evaluation.report import ComparisonTable, parse_named, write_json_atomic, write_text_atomic
 
 _TAG_DIR = re.compile(r"^iter_(\d+)$")
+_RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 # --------------------------------------------------------------------------- models
@@ -394,6 +395,9 @@ def run(args) -> dict:
         raise ValueError(f"run megatron_lev.evaluate as one process (world size {launch.world_size}): "
                          "checkpoints of any TP/PP are merged and evaluated on one device")
     started = not torch.distributed.is_initialized()
+    # init_distributed exports the rendezvous variables; a run started here (also in-process
+    # from tests or notebooks) takes them away again when it ends.
+    saved_env = {k: os.environ.get(k) for k in _RENDEZVOUS_ENV}
     parallel.init_distributed()
     try:
         parallel.initialize_model_parallel(1, 1)
@@ -414,6 +418,11 @@ def run(args) -> dict:
     finally:
         if started:
             parallel.destroy_parallel()
+            for key, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
     write_json_atomic(os.path.join(args.output_dir, "evaluation.json"), report)
     write_text_atomic(os.path.join(args.output_dir, "evaluation.md"), markdown)
     print(markdown)

@@ -282,11 +282,13 @@ def test_evaluate_perplexity_frequency_tables_and_plots(lev_run, lev_exports, ti
 
     n_tokens = 1000  # 15 full samples and 40 tokens of the 16th: exercises the cut
     out = tmp_path / "eval"
+    env_before = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     result = evaluate.main([
         "--model", f"lev={lev_run}", "--model", f"hf={lev_exports['iter4']}", "--model", f"early={lev_exports['iter2']}",
         "--baseline", "early", "--eval-tokens", str(n_tokens), "--micro-batch-size", "3",
         "--freq-dataset", "1.0", tiny_dataset, "--buckets", "quantile:4", "--buckets", "log", "--device", "cpu",
         "--output-dir", str(out), "--plot-width", "1000", "--plot-height", "700"])
+    assert {k: os.environ.get(k) for k in env_before} == env_before  # no rendezvous variables left behind
     saved = json.load(open(out / "evaluation.json"))
     assert saved["models"]["lev"]["ppl"] == result["models"]["lev"]["ppl"]
     lev = result["models"]["lev"]
