@@ -115,11 +115,10 @@ def count_token_frequencies(prefix: str, vocab_size: int, cache_dir: str | None 
             return counts
     counts = _count(prefix, vocab_size, chunk_tokens, sequences)
     if use_cache:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "wb") as f:
+        from megatron_lev.data.corpus import atomic_path
+
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:  # readers never see a half-written cache
             np.save(f, counts)
-        os.replace(tmp, path)  # readers never see a half-written cache
     return counts
 
 

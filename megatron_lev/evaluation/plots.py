@@ -7,12 +7,13 @@ to a temporary name and renamed.
 from __future__ import annotations
 
 import math
-import os
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+
+from megatron_lev.data.corpus import atomic_path  # noqa: E402
 
 DEFAULT_SIZE_PX = (1200, 800)
 DEFAULT_DPI = 100
@@ -25,11 +26,11 @@ def _figure(size_px, dpi, nrows=1, height_ratios=None):
 
 
 def _save(fig, path: str, dpi: int) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    fig.savefig(tmp, dpi=dpi, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=dpi, format="png")
+    finally:
+        plt.close(fig)
     return path
 
 

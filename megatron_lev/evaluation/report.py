@@ -10,6 +10,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from megatron_lev.data.corpus import atomic_path
+
 
 def relative_change(value, baseline) -> float | None:
     """Per-cent change of `value` vs `baseline` (None when either is missing or baseline is 0)."""
@@ -84,13 +86,9 @@ def _fmt(value) -> str:
 
 
 def write_text_atomic(path: str, text: str) -> None:
-    """Write to a temporary name in the same directory, then rename into place."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    """Write under a temporary name beside `path`, then rename into place."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
-    os.replace(tmp, path)
 
 
 def write_json_atomic(path: str, data) -> None:
