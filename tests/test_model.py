@@ -202,6 +202,26 @@ def test_parameter_counts_and_isoparametric_planner_on_built_models(single_rank)
         assert changed, plan["model"]
 
 
+def test_packaged_configs_are_valid_and_share_their_backbone():
+    """Every YAML builds (model + training keys); tied-X / untied-X differ from lev-X only in
+    `embedding` (they inherit it with `base:`)."""
+    from megatron_lev.configs import available_configs
+
+    names = available_configs()
+    for size in ("tiny", "demo", "200m", "400m", "800m", "1.2b"):
+        prefix = lambda kind: f"{size}-{kind}" if size in ("tiny", "demo") else f"{kind}-{size}"  # noqa: E731
+        lev = load_config(prefix("lev"))
+        for kind in ("tied", "untied"):
+            other = load_config(prefix(kind))
+            assert other["model"] == {**lev["model"], "embedding": kind} and other["training"] == lev["training"]
+        names = [n for n in names if n not in {prefix(k) for k in ("lev", "tied", "untied")}]
+        assert model_config_from_dict(lev["model"]).embedding == "lev"
+        assert {"seq_length", "micro_batch_size", "global_batch_size", "lr", "min_lr", "lr_warmup_iters",
+                "lr_decay_style", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2",
+                "bf16"} <= set(lev["training"])
+    assert names == [], f"configs not covered: {names}"
+
+
 # --------------------------------------------------------------------------- bad configs
 
 

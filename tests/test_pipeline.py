@@ -21,7 +21,7 @@ def _batches(seed):
     return out
 
 
-def _pipeline_vs_plain(rank, world_size, kinds, recompute):
+def _pipeline_vs_plain(rank, world_size, cases):
     import deepspeed
 
     from megatron_lev import parallel
@@ -33,7 +33,7 @@ def _pipeline_vs_plain(rank, world_size, kinds, recompute):
     parallel.set_seed(1234)
     section = load_config("tiny-lev")["model"]
     results = {}
-    for kind in kinds:
+    for kind, recompute in cases:
         batches = _batches(seed=7)
         # The reference: the plain PP=1 model, built from the same seed on every rank.
         ref = build_model(model_config_from_dict(section, embedding=kind))
@@ -61,11 +61,12 @@ def _pipeline_vs_plain(rank, world_size, kinds, recompute):
             assert model_to_pipeline_key(model_name, config.num_layers, tied=kind == "tied") == name
             grads[model_name] = ((before[name] - p.detach()) / LR, ref_grads[model_name])
         results[kind] = {"pipe_loss": pipe_loss, "ref_loss": sum(losses) / len(losses), "grads": grads,
-                         "stage": engine.stage_id, "ref_names": sorted(ref_grads)}
+                         "stage": engine.stage_id, "ref_names": sorted(ref_grads),
+                         "checkpoint_interval": pipe.activation_checkpoint_interval}
     return results
 
 
-def _check(results, kinds, num_layers=2):
+def _check(results, kinds):
     for kind in kinds:
         stages = [r[kind] for r in results]
         assert sorted(s["stage"] for s in stages) == [0, 1]
@@ -85,9 +86,12 @@ def _check(results, kinds, num_layers=2):
 
 
 def test_pipeline_two_stages_match_plain_model_loss_and_grads():
-    kinds = ("tied", "untied", "lev")
-    results = run_distributed(_pipeline_vs_plain, world_size=2, args=(kinds, False))
-    _check(results, kinds)
+    """Each embedding kind; tied and lev with per-layer activation checkpointing in the pipe
+    (the plain reference never recomputes)."""
+    cases = (("tied", True), ("untied", False), ("lev", True))
+    results = run_distributed(_pipeline_vs_plain, world_size=2, args=(cases,))
+    _check(results, [kind for kind, _ in cases])
+    assert [results[0][kind]["checkpoint_interval"] for kind, _ in cases] == [1, 0, 1]
 
 
 def test_name_mapping_round_trip():
