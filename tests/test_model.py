@@ -215,7 +215,10 @@ def test_packaged_configs_are_valid_and_share_their_backbone():
             other = load_config(prefix(kind))
             assert other["model"] == {**lev["model"], "embedding": kind} and other["training"] == lev["training"]
         names = [n for n in names if n not in {prefix(k) for k in ("lev", "tied", "untied")}]
-        assert model_config_from_dict(lev["model"]).embedding == "lev"
+        config = model_config_from_dict(lev["model"])
+        assert config.embedding == "lev"
+        # to_dict() (what checkpoints and exports store) rebuilds the same config.
+        assert model_config_from_dict(config.to_dict()).to_dict() == config.to_dict()
         assert {"seq_length", "micro_batch_size", "global_batch_size", "lr", "min_lr", "lr_warmup_iters",
                 "lr_decay_style", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2",
                 "bf16"} <= set(lev["training"])
