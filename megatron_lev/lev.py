@@ -1,0 +1,394 @@
+"""LEV: the input-embedding generator of Leviathan models, all of its math in one file.
+
+A token id `i` of a vocabulary of `V` ids becomes a `D`-wide embedding (spec:
+LEV_SPEC.md section 1):
+
+1. digits   `i` written in base `b` (the smallest `b` with `b**k >= V`) as `k` digits;
+2. seed     `z = sum_r codebooks[r, digit_r]`                                 [d_s]
+3. per head `l`:  `x = sigmoid(LayerNorm_l(w_seed[l] @ z) / 2)`, in [0, 1]     [d_s]
+4. basis    quadratic B-spline weights of each `x_d` on `kappa` uniform knots,
+            normalised to sum to 1 (at most 3 are non-zero);
+5. modes    `phi[d, q] = sum_j B_j(x_d) * (1 + delta[l, d, j, q])`,
+            `M_l[q] = prod_d phi[d, q]`, as sign parity * exp(sum_d log(|phi| + eps)),
+            always in float32;
+6. output   `e = sum_l M_l @ w_out[l]`                                         [D]
+
+This file is torch-only on purpose: the Hugging Face export copies it verbatim
+beside `modeling_lev.py`. Tensor parallelism lives in `lev_parallel.py`.
+
+Parameters of `LEVGenerator` (names are stable: checkpoints and the HF export
+depend on them). Head-sharded tensors have the head on dim 0; a generator that
+holds heads `[head_start, head_end)` stores only those rows, so merging the
+shards of a tensor-parallel model is a concatenation along dim 0.
+
+    codebooks  [k, b, d_s]           digit codebooks (replicated under TP)
+    w_seed     [h, d_s, d_s]         per-head seed projection, u = w_seed[l] @ z
+    ln_gamma   [h, d_s]              per-head LayerNorm scale
+    ln_beta    [h, d_s]              per-head LayerNorm shift
+    delta      [h, d_s, kappa, r]    mode coefficients, S = 1 + delta
+    w_out      [h, r, D]             per-head aggregation to the model width
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+DIGIT_ORDERS = ("msb_first", "lsb_first")
+HEAD_SHARDED_PARAMETERS = ("w_seed", "ln_gamma", "ln_beta", "delta", "w_out")
+REPLICATED_PARAMETERS = ("codebooks",)
+# Rows are evaluated in multiples of this many (padded with id 0). BLAS libraries pick
+# different kernels for very small matrices (MKL: fewer than ~12 rows), which round
+# differently; a fixed minimum block keeps each id's float32 embedding independent of
+# how many other ids are evaluated with it, so unique-id and per-position evaluation
+# agree to the last bit.
+ROW_BLOCK = 64
+
+
+def smallest_base(vocab_size: int, num_coordinates: int) -> int:
+    """The smallest integer b with b**k >= V, in exact integer arithmetic."""
+    b = max(1, int(round(vocab_size ** (1.0 / num_coordinates))))
+    while b ** num_coordinates < vocab_size:
+        b += 1
+    while b > 1 and (b - 1) ** num_coordinates >= vocab_size:
+        b -= 1
+    return b
+
+
+@dataclass
+class LEVConfig:
+    """Every hyper-parameter of the generator; defaults are the spec's.
+
+    `digit_base` pins the base instead of deriving it from `vocab_size` (for
+    instance to keep a checkpoint's codebook shape when the vocabulary grows); it
+    must still satisfy `digit_base ** num_coordinates >= vocab_size`.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_coordinates: int = 3  # k
+    seed_dim: int = 128  # d_s
+    num_heads: int = 8  # h
+    num_knots: int = 16  # kappa
+    num_modes: int = 64  # r
+    init_std: float = 0.02
+    delta_init_std: float = 0.1
+    layernorm_eps: float = 1e-5
+    log_eps: float = 1e-9
+    digit_order: str = "msb_first"
+    unique_ids: bool = True
+    digit_base: Optional[int] = None
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def base(self) -> int:
+        if self.digit_base is not None:
+            return self.digit_base
+        return smallest_base(self.vocab_size, self.num_coordinates)
+
+    def validate(self, tp_size: int = 1) -> "LEVConfig":
+        """Raise ValueError naming the offending field for an impossible config."""
+        for name in ("vocab_size", "hidden_size", "num_coordinates", "seed_dim", "num_heads", "num_modes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LEVConfig.{name}={value!r} must be a positive integer")
+        if isinstance(self.num_knots, bool) or not isinstance(self.num_knots, int) or self.num_knots < 2:
+            raise ValueError(f"LEVConfig.num_knots={self.num_knots!r} must be an integer >= 2")
+        for name in ("init_std", "delta_init_std"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"LEVConfig.{name}={value!r} must be a finite number >= 0")
+        for name in ("layernorm_eps", "log_eps"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"LEVConfig.{name}={value!r} must be a finite number > 0")
+        if self.digit_order not in DIGIT_ORDERS:
+            raise ValueError(f"LEVConfig.digit_order={self.digit_order!r} must be one of {DIGIT_ORDERS}")
+        if self.digit_base is not None:
+            b = self.digit_base
+            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+                raise ValueError(f"LEVConfig.digit_base={b!r} must be a positive integer or None")
+            if b ** self.num_coordinates < self.vocab_size:
+                raise ValueError(
+                    f"LEVConfig.digit_base={b}: {b}**{self.num_coordinates} = {b ** self.num_coordinates} "
+                    f"< vocab_size {self.vocab_size}, so some ids have no digits")
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tensor-parallel size {tp_size!r} must be a positive integer")
+        if self.num_heads % tp_size != 0:
+            raise ValueError(
+                f"LEVConfig.num_heads={self.num_heads} must be divisible by the tensor-parallel size "
+                f"{tp_size} (--tensor-model-parallel-size): heads are split over TP ranks")
+        return self
+
+    def num_parameters(self) -> int:
+        """Spec formula: k*b*d_s + h*(d_s^2 + 2*d_s) + h*d_s*kappa*r + h*r*D."""
+        k, b, ds, h = self.num_coordinates, self.base, self.seed_dim, self.num_heads
+        kappa, r, d = self.num_knots, self.num_modes, self.hidden_size
+        return k * b * ds + h * (ds * ds + 2 * ds) + h * ds * kappa * r + h * r * d
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LEVConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"LEVConfig: unknown field(s) {unknown} (known: {sorted(known)})")
+        return cls(**data)
+
+
+# --------------------------------------------------------------------------- math
+
+
+def token_digits(ids: torch.Tensor, base: int, num_coordinates: int, order: str = "msb_first") -> torch.Tensor:
+    """ids [...] -> digits [..., k] in base `base` (most significant first by default)."""
+    powers = base ** torch.arange(num_coordinates - 1, -1, -1, device=ids.device, dtype=torch.int64)
+    digits = torch.div(ids.to(torch.int64).unsqueeze(-1), powers, rounding_mode="floor") % base
+    if order == "lsb_first":
+        digits = digits.flip(-1)
+    elif order != "msb_first":
+        raise ValueError(f"digit order {order!r} must be one of {DIGIT_ORDERS}")
+    return digits
+
+
+def bspline_basis(x: torch.Tensor, num_knots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalised quadratic B-spline basis of x in [0, 1] on `num_knots` uniform knots.
+
+    Only the nearest knot `c` and its two neighbours can be non-zero, so this
+    returns them in closed form instead of evaluating all knots:
+      center  [...]     long, nearest knot index c
+      weights [..., 3]  weights of knots (c-1, c, c+1), zero for a knot off the grid,
+                        divided by their sum (which is 1 away from the two ends).
+    With t0 = x*(kappa-1) - c in [-1/2, 1/2] the spec's piecewise polynomial gives
+    0.5*(0.5 - t0)^2, 0.75 - t0^2, 0.5*(0.5 + t0)^2.
+    """
+    scaled = x * (num_knots - 1)
+    center = torch.floor(scaled + 0.5).clamp_(0, num_knots - 1)
+    t0 = scaled - center
+    weights = torch.stack((0.5 * (0.5 - t0) ** 2, 0.75 - t0 * t0, 0.5 * (0.5 + t0) ** 2), dim=-1)
+    center = center.long()
+    on_grid = torch.stack((center > 0, torch.ones_like(center, dtype=torch.bool), center < num_knots - 1), dim=-1)
+    weights = weights * on_grid
+    return center, weights / weights.sum(-1, keepdim=True)
+
+
+def _dense_head_basis(center: torch.Tensor, weights: torch.Tensor, num_knots: int) -> torch.Tensor:
+    """One head's sparse basis, center [n, d] and weights [n, d, 3] -> dense [d, n, kappa]."""
+    knots = (center.t().unsqueeze(-1) + torch.arange(-1, 2, device=center.device)).clamp_(0, num_knots - 1)
+    dense = torch.zeros(*knots.shape[:2], num_knots, dtype=weights.dtype, device=weights.device)
+    # Off-grid knots carry weight 0, so clamping their index onto the grid adds nothing.
+    return dense.scatter_add_(-1, knots, weights.transpose(0, 1))
+
+
+class _SeparableModes(torch.autograd.Function):
+    """M[n, l, q] = prod_d phi[n, l, d, q],  phi = sum_j B[n, l, d, j] * S[l, d, j, q].
+
+    A custom Function so the [d_s, n, r] mode factors are never stored: they are
+    built one head at a time (peak memory ~ one head's factors, not all of them)
+    and rebuilt in backward from the compact basis. Backward uses
+    dM/dphi[d] = M * sign(phi[d]) / (|phi[d]| + eps), the exact derivative of the
+    sign-parity log-sum form.
+    """
+
+    @staticmethod
+    def forward(ctx, center, weights, coeffs, eps):
+        n, h, _ = center.shape
+        modes = torch.empty(n, h, coeffs.shape[-1], dtype=torch.float32, device=coeffs.device)
+        for l in range(h):
+            phi = torch.bmm(_dense_head_basis(center[:, l], weights[:, l], coeffs.shape[2]), coeffs[l])
+            # Parity of the negative factors. Summing the sign bits as uint8 wraps modulo
+            # 256, which keeps the parity and avoids an int64 copy of all the factors.
+            negative = torch.signbit(phi).view(torch.uint8).sum(0, dtype=torch.uint8)
+            log_magnitude = phi.abs_().add_(eps).log_().sum(0)
+            sign = 1.0 - 2.0 * (negative & 1).to(torch.float32)
+            torch.mul(sign, log_magnitude.exp_(), out=modes[:, l])
+        ctx.save_for_backward(center, weights, coeffs, modes)
+        ctx.eps = eps
+        return modes
+
+    @staticmethod
+    def backward(ctx, grad_modes):
+        center, weights, coeffs, modes = ctx.saved_tensors
+        kappa = coeffs.shape[2]
+        grad_weights = torch.empty_like(weights) if ctx.needs_input_grad[1] else None
+        grad_coeffs = torch.empty_like(coeffs) if ctx.needs_input_grad[2] else None
+        g = (grad_modes.to(torch.float32) * modes)  # [n, h, r]
+        for l in range(center.shape[1]):
+            basis = _dense_head_basis(center[:, l], weights[:, l], kappa)  # [d, n, kappa]
+            phi = torch.bmm(basis, coeffs[l])  # [d, n, r]
+            grad_phi = phi.sign()
+            grad_phi.div_(phi.abs_().add_(ctx.eps)).mul_(g[:, l])
+            del phi
+            if grad_coeffs is not None:
+                torch.bmm(basis.transpose(1, 2), grad_phi, out=grad_coeffs[l])
+            if grad_weights is not None:
+                grad_basis = torch.bmm(grad_phi, coeffs[l].transpose(1, 2))  # [d, n, kappa]
+                knots = (center[:, l].t().unsqueeze(-1) + torch.arange(-1, 2, device=center.device)).clamp_(0, kappa - 1)
+                grad_weights[:, l] = grad_basis.gather(-1, knots).transpose(0, 1)
+        return None, grad_weights, grad_coeffs, None
+
+
+def separable_modes(x: torch.Tensor, coeffs: torch.Tensor, eps: float = 1e-9) -> torch.Tensor:
+    """x [n, h, d_s] in [0, 1], coeffs S = 1 + delta [h, d_s, kappa, r] -> modes [n, h, r].
+
+    Always float32 inside, whatever the dtype of x and coeffs.
+    """
+    center, weights = bspline_basis(x.to(torch.float32), coeffs.shape[2])
+    return _SeparableModes.apply(center, weights, coeffs.to(torch.float32).contiguous(), eps)
+
+
+def init_lev_parameters(config: LEVConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """The FULL (all heads) float32 parameters, drawn from one seeded CPU generator in a
+    fixed order (codebooks, w_seed, delta, w_out), so the values do not depend on how
+    the heads are later split over tensor-parallel ranks."""
+    k, b, ds, h = config.num_coordinates, config.base, config.seed_dim, config.num_heads
+    kappa, r, d = config.num_knots, config.num_modes, config.hidden_size
+
+    def normal(shape, std):
+        return torch.randn(shape, generator=generator, dtype=torch.float32).mul_(std)
+
+    codebooks = normal((k, b, ds), config.init_std)
+    w_seed = normal((h, ds, ds), config.init_std)
+    delta = normal((h, ds, kappa, r), config.delta_init_std)
+    w_out = normal((h, r, d), config.init_std / math.sqrt(h))
+    return {
+        "codebooks": codebooks,
+        "w_seed": w_seed,
+        "ln_gamma": torch.ones(h, ds),
+        "ln_beta": torch.zeros(h, ds),
+        "delta": delta,
+        "w_out": w_out,
+    }
+
+
+def pad_to_row_block(ids: torch.Tensor) -> torch.Tensor:
+    """ids [n] -> ids [ceil(n / ROW_BLOCK) * ROW_BLOCK] (at least one block), padded with id 0."""
+    n = ids.numel()
+    padded = max(ROW_BLOCK, -(-n // ROW_BLOCK) * ROW_BLOCK)
+    return ids if padded == n else torch.cat((ids, ids.new_zeros(padded - n)))
+
+
+def check_token_range(lowest: int, highest: int, vocab_size: int) -> None:
+    if lowest < 0 or highest >= vocab_size:
+        bad = lowest if lowest < 0 else highest
+        raise ValueError(f"token id {bad} is out of range [0, {vocab_size}) (LEVConfig.vocab_size={vocab_size})")
+
+
+def ids_to_evaluate(input_ids: torch.Tensor, vocab_size: int, unique: bool):
+    """The ids to run the generator on, range-checked with one min/max read.
+
+    unique=True:  (distinct ids sorted [n], inverse [input_ids.shape]) with
+                  input_ids == ids[inverse];
+    unique=False: (input_ids flattened [n], None).
+    """
+    if unique:
+        ids, inverse = torch.unique(input_ids.reshape(-1), sorted=True, return_inverse=True)
+        inverse = inverse.view(input_ids.shape)
+        ends = torch.stack((ids[0], ids[-1])) if ids.numel() else None  # sorted: min, max
+    else:
+        ids, inverse = input_ids.reshape(-1), None
+        ends = torch.stack(torch.aminmax(ids)) if ids.numel() else None
+    if ends is not None:
+        check_token_range(*ends.tolist(), vocab_size)
+    return ids, inverse
+
+
+class LEVGenerator(torch.nn.Module):
+    """Computes token embeddings from token ids, for the heads [head_start, head_end).
+
+    `forward(ids)` returns the sum over this module's heads (the full embedding when
+    it holds all heads) as float32 [n, D]. `seed` and `heads` are the two halves, split
+    so a tensor-parallel wrapper can put its copy-to-TP mapping between them.
+    Parameters are stored in `dtype`; all arithmetic is float32.
+    """
+
+    def __init__(self, config: LEVConfig, head_start: int = 0, head_end: Optional[int] = None, *,
+                 init_seed: int = 1234, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        config.validate()
+        head_end = config.num_heads if head_end is None else head_end
+        if not 0 <= head_start < head_end <= config.num_heads:
+            raise ValueError(f"head range [{head_start}, {head_end}) must lie inside [0, {config.num_heads})")
+        self.config, self.head_start, self.head_end = config, head_start, head_end
+        self.init_seed = init_seed
+        k, b, ds, h = config.num_coordinates, config.base, config.seed_dim, head_end - head_start
+        kappa, r, d = config.num_knots, config.num_modes, config.hidden_size
+        factory = {"dtype": dtype, "device": device}
+        self.codebooks = torch.nn.Parameter(torch.empty(k, b, ds, **factory))
+        self.w_seed = torch.nn.Parameter(torch.empty(h, ds, ds, **factory))
+        self.ln_gamma = torch.nn.Parameter(torch.empty(h, ds, **factory))
+        self.ln_beta = torch.nn.Parameter(torch.empty(h, ds, **factory))
+        self.delta = torch.nn.Parameter(torch.empty(h, ds, kappa, r, **factory))
+        self.w_out = torch.nn.Parameter(torch.empty(h, r, d, **factory))
+        self.reset_parameters()
+
+    @property
+    def num_local_heads(self) -> int:
+        return self.head_end - self.head_start
+
+    def reset_parameters(self) -> None:
+        """Spec initialisation from `init_seed`, identical whatever the head split."""
+        self.load_full_parameters(init_lev_parameters(self.config, torch.Generator().manual_seed(self.init_seed)))
+
+    @torch.no_grad()
+    def load_full_parameters(self, full: dict[str, torch.Tensor]) -> None:
+        """Copy this module's slice of full (all heads) tensors into its parameters."""
+        for name, param in self.named_parameters(recurse=False):
+            src = full[name]
+            if name in HEAD_SHARDED_PARAMETERS:
+                src = src[self.head_start:self.head_end]
+            if src.shape != param.shape:
+                raise ValueError(f"LEV parameter {name}: got shape {tuple(src.shape)}, expected {tuple(param.shape)}")
+            param.copy_(src)
+
+    def seed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [n] -> z [n, d_s] float32: the sum of the k digit codebook rows."""
+        cfg = self.config
+        digits = token_digits(ids, cfg.base, cfg.num_coordinates, cfg.digit_order)
+        offsets = torch.arange(cfg.num_coordinates, device=ids.device) * cfg.base
+        rows = F.embedding(digits + offsets, self.codebooks.reshape(-1, cfg.seed_dim))  # [n, k, d_s]
+        return rows.to(torch.float32).sum(1)
+
+    def heads(self, z: torch.Tensor) -> torch.Tensor:
+        """z [n, d_s] -> sum over this module's heads of M_l @ w_out[l], float32 [n, D]."""
+        cfg, h, ds = self.config, self.num_local_heads, self.config.seed_dim
+        f32 = torch.float32
+        u = (z.to(f32) @ self.w_seed.to(f32).reshape(h * ds, ds).t()).view(-1, h, ds)
+        u = F.layer_norm(u, (ds,), eps=cfg.layernorm_eps) * self.ln_gamma.to(f32) + self.ln_beta.to(f32)
+        x = torch.sigmoid(0.5 * u)
+        modes = separable_modes(x, 1.0 + self.delta.to(f32), cfg.log_eps)  # [n, h, r]
+        return modes.reshape(-1, h * cfg.num_modes) @ self.w_out.to(f32).reshape(h * cfg.num_modes, -1)
+
+    def forward(self, ids: torch.Tensor, seed_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+        """ids [n] -> float32 [n, D], the sum over this module's heads (ids not range-checked).
+
+        `seed_hook(z)` runs between `seed` and `heads` (the TP wrapper's copy-to-TP
+        mapping). Going through forward, rather than calling seed/heads directly,
+        keeps module hooks working (DeepSpeed ZeRO-3 gathers parameters in them).
+        """
+        z = self.seed(pad_to_row_block(ids))
+        if seed_hook is not None:
+            z = seed_hook(z)
+        return self.heads(z)[: ids.numel()]
+
+    def embed(self, input_ids: torch.Tensor, unique: Optional[bool] = None) -> torch.Tensor:
+        """input_ids [...] -> float32 [..., D] over this module's heads, range-checked; with
+        `unique` (default: config.unique_ids) each distinct id is evaluated once."""
+        unique = self.config.unique_ids if unique is None else unique
+        ids, inverse = ids_to_evaluate(input_ids, self.config.vocab_size, unique)
+        out = self(ids)
+        if inverse is not None:
+            return F.embedding(inverse, out)
+        return out.view(*input_ids.shape, -1)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"V={c.vocab_size}, D={c.hidden_size}, k={c.num_coordinates}, b={c.base}, d_s={c.seed_dim}, "
+                f"heads=[{self.head_start}, {self.head_end}) of {c.num_heads}, kappa={c.num_knots}, r={c.num_modes}")
