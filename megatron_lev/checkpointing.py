@@ -32,6 +32,7 @@ import yaml
 
 from megatron_lev import parallel
 from megatron_lev.arguments import ConfigError
+from megatron_lev.data.corpus import atomic_path
 
 LATEST = "latest"
 COMPLETE_MARKER = "complete.json"
@@ -49,18 +50,13 @@ def tag_iteration(tag: str) -> Optional[int]:
 
 
 def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _atomic_torch_save(obj, path: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def is_complete(ckpt_dir: str, tag: str) -> bool:

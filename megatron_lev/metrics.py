@@ -15,6 +15,8 @@ import os
 import warnings
 from typing import Optional
 
+from megatron_lev.data.corpus import atomic_path
+
 
 def truncate_jsonl(path: str, last_iteration: int) -> None:
     """Keep only records with iteration <= last_iteration (atomic rewrite)."""
@@ -29,10 +31,8 @@ def truncate_jsonl(path: str, last_iteration: int) -> None:
                 continue
             if record.get("iteration", 0) <= last_iteration:
                 kept.append(line if line.endswith("\n") else line + "\n")
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.writelines(kept)
-    os.replace(tmp, path)
 
 
 def _json_safe(value):

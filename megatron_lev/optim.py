@@ -53,36 +53,44 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
                     eps: float, offload: bool = False) -> torch.optim.Optimizer:
-    """AdamW over `param_groups`: DeepSpeed's CPU Adam under ZeRO-Offload, DeepSpeed's (then
-    apex's) fused Adam on GPU when they build/import, torch's AdamW otherwise (CPU).
+    """AdamW over `param_groups`. On GPU: DeepSpeed's CPU Adam under ZeRO-Offload, else
+    DeepSpeed's (then apex's) fused Adam when they build/import, else torch's fused AdamW.
+    On CPU (no CUDA): torch's AdamW, offload or not (offloading to the CPU you already run
+    on gains nothing, and JIT-building DeepSpeed's CPU Adam takes minutes there).
 
     `param_names` is stripped before construction (optimizers keep unknown group keys,
     but DeepSpeed's fused kernels and checkpoints do not need them).
     """
     groups = [{k: v for k, v in g.items() if k != "param_names"} for g in param_groups(model, weight_decay)]
     kwargs = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    if offload:
-        try:
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
-        except Exception:  # the op could not be built here: DeepSpeed is told to accept torch's
-            pass
-    elif torch.cuda.is_available():
-        try:
-            from deepspeed.ops.adam import FusedAdam
-
-            return FusedAdam(groups, adam_w_mode=True, **kwargs)
-        except Exception:
-            pass
-        try:
-            from apex.optimizers import FusedAdam as ApexFusedAdam
-
-            return ApexFusedAdam(groups, adam_w_mode=True, **kwargs)
-        except Exception:
-            pass
-        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    if torch.cuda.is_available():
+        candidates = (_deepspeed_cpu_adam,) if offload else (_deepspeed_fused_adam, _apex_fused_adam)
+        for make in candidates:
+            try:
+                return make(groups, kwargs)
+            except Exception:  # op not buildable / package missing: next candidate
+                continue
+        if not offload:
+            return torch.optim.AdamW(groups, fused=True, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
+
+
+def _deepspeed_cpu_adam(groups, kwargs):
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+
+
+def _deepspeed_fused_adam(groups, kwargs):
+    from deepspeed.ops.adam import FusedAdam
+
+    return FusedAdam(groups, adam_w_mode=True, **kwargs)
+
+
+def _apex_fused_adam(groups, kwargs):
+    from apex.optimizers import FusedAdam
+
+    return FusedAdam(groups, adam_w_mode=True, **kwargs)
 
 
 @dataclass

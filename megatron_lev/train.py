@@ -61,9 +61,12 @@ class ExitSignalHandler:
         self.received: Optional[int] = None
 
     def install(self) -> "ExitSignalHandler":
-        for sig in self.SIGNALS:
-            signal.signal(sig, self._handle)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
         self.received = signum
@@ -89,21 +92,34 @@ def build_model_config(args):
         sequence_parallel=bool(args.sequence_parallel), recompute=bool(args.recompute_activations), **overrides)
 
 
-def check_data(args, tokenizer, vocab_size: int) -> None:
-    """Missing files, or ids the model's vocabulary cannot hold, stop the run here."""
-    from megatron_lev.data.datasets import max_token_id, parse_blend
+DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+
+def data_prefixes(args) -> list[tuple[str, str]]:
+    """(flag, prefix) of every dataset the run names; a missing .bin/.idx is a
+    FileNotFoundError naming the flag and the file."""
+    from megatron_lev.data.datasets import parse_blend
+
+    found = []
+    for dest in DATA_FLAGS:
+        flag = "--" + dest.replace("_", "-")
+        blend = parse_blend(getattr(args, dest), flag)
+        found += [(flag, prefix) for prefix in (blend[0] if blend else ())]
+    return found
+
+
+def check_vocab(args, tokenizer, prefixes: list[tuple[str, str]], vocab_size: int) -> None:
+    """Ids the model's vocabulary cannot hold stop the run here."""
+    from megatron_lev.data.datasets import max_token_id
 
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError(f"--tokenizer-model {args.tokenizer_model} has {tokenizer.vocab_size} tokens but the "
                           f"model's vocab_size is {vocab_size} ({args.config}): raise model.vocab_size")
-    for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        flag = "--" + dest.replace("_", "-")
-        blend = parse_blend(getattr(args, dest), flag)  # FileNotFoundError naming the flag and file
-        for prefix in blend[0] if blend else ():
-            highest = max_token_id(prefix)
-            if highest >= vocab_size:
-                raise ConfigError(f"{flag} {prefix}: holds token id {highest}, outside the model's vocab_size "
-                                  f"{vocab_size} ({args.config}): was it tokenized with another tokenizer?")
+    for flag, prefix in prefixes:
+        highest = max_token_id(prefix)
+        if highest >= vocab_size:
+            raise ConfigError(f"{flag} {prefix}: holds token id {highest}, outside the model's vocab_size "
+                              f"{vocab_size} ({args.config}): was it tokenized with another tokenizer?")
 
 
 def flops_model(model_config, seq_length: int) -> FlopsModel:
@@ -492,22 +508,21 @@ def _memory_gb() -> float:
 
 
 def main(argv=None) -> int:
+    """Train; returns the exit code. Callable in-process: it initialises torch.distributed
+    only if nobody did, and tears down only what it set up."""
     launch = parallel.detect_launch_env()
     try:
         args = parse_args(argv)
         validate_args(args, launch.world_size)
         ds_config = build_deepspeed_config(args)
         model_config = build_model_config(args)
-        from megatron_lev.data.datasets import parse_blend
-        from megatron_lev.data.tokenizer import build_tokenizer
-
+        prefixes = data_prefixes(args)
         if not os.path.exists(args.tokenizer_model):
             raise ConfigError(f"--tokenizer-model {args.tokenizer_model}: no such file")
-        # The data must exist before anything slow happens (a typo should not cost a queue wait).
-        for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-            parse_blend(getattr(args, dest), "--" + dest.replace("_", "-"))
+        from megatron_lev.data.tokenizer import build_tokenizer
+
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
-        check_data(args, tokenizer, model_config.vocab_size)
+        check_vocab(args, tokenizer, prefixes, model_config.vocab_size)
         config = effective_config(args, model_config.to_dict())
         config["deepspeed"] = ds_config
         if args.load:
@@ -517,29 +532,38 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         return fail(str(exc), launch.rank)
 
+    owns_process_group = not dist.is_initialized()
     parallel.init_distributed()
     parallel.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-    parallel.set_seed(args.seed)
-    if parallel.is_rank_0():
-        print("effective configuration:\n" + format_config(config), flush=True)
-        if args.save:
-            checkpointing.write_run_config(args.save, config)
-    try:  # before the model: a split without documents is a configuration error too
-        datasets = build_datasets(args, tokenizer)
-    except (ValueError, FileNotFoundError) as exc:
-        parallel.destroy_parallel()
-        return fail(str(exc), launch.rank)
-    trainer = Trainer(args, model_config, ds_config, config, datasets)
-    # Only now: a signal during start-up kills the job as usual (nothing new to save, and a
-    # hung start-up must stay killable); from here on it means "checkpoint, then exit 0".
-    if args.exit_signal_handler:
-        trainer.exit_handler = ExitSignalHandler().install()
+    exit_handler = None
     try:
-        code = trainer.run()
+        parallel.set_seed(args.seed)
+        if parallel.is_rank_0():
+            print("effective configuration:\n" + format_config(config), flush=True)
+            if args.save:
+                checkpointing.write_run_config(args.save, config)
+        try:  # before the model: a split without documents is a configuration error too
+            datasets = build_datasets(args, tokenizer)
+        except (ValueError, FileNotFoundError) as exc:
+            return fail(str(exc), launch.rank)
+        trainer = Trainer(args, model_config, ds_config, config, datasets)
+        # Only now: a signal during start-up kills the job as usual (nothing new to save, and
+        # a hung start-up must stay killable); from here on it means "checkpoint, exit 0".
+        if args.exit_signal_handler:
+            exit_handler = trainer.exit_handler = ExitSignalHandler().install()
+        try:
+            return trainer.run()
+        finally:
+            trainer.metrics.close()
     finally:
-        trainer.metrics.close()
-    parallel.destroy_parallel()
-    return code
+        if exit_handler is not None:
+            exit_handler.uninstall()
+        if owns_process_group:
+            parallel.destroy_parallel()
+        else:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
 
 
 if __name__ == "__main__":
