@@ -209,6 +209,7 @@ def model_section_from_hf_config(config: dict, source: str) -> dict:
         ("attention_bias", not config.get("attention_bias", False)),
         ("mlp_bias", not config.get("mlp_bias", False)),
         ("rope_parameters", (config.get("rope_parameters") or {}).get("rope_type", "default") == "default"),
+        ("rope_scaling", not config.get("rope_scaling")),
     ) if not ok]
     if unsupported:
         raise ExportError(f"{source}: {', '.join(unsupported)} is not a Leviathan decoder (SwiGLU, no biases, plain RoPE)")

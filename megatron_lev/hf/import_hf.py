@@ -19,6 +19,7 @@ to record your own training YAML, whose model section must describe the same mod
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import socket
@@ -72,12 +73,15 @@ def _run_args(config_file: str, model_section: dict, training: dict, tp: int, pp
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
     args.bf16 = bool(bf16 or args.bf16)
     args.zero_stage, args.deepspeed_config = 1, None
-    args.micro_batch_size = args.global_batch_size = 1
     args.data_parallel_size = args.gradient_accumulation_steps = 1
     args.seq_length = args.seq_length or seq_length
     args.tokens_per_step = args.seq_length
+    if args.train_iters is None and args.train_tokens and args.global_batch_size:
+        # The YAML's run length, for the (placeholder) LR schedule saved with the checkpoint.
+        args.train_iters = math.ceil(args.train_tokens / (args.global_batch_size * args.seq_length))
     args.train_iters = args.train_iters or 1
     args.train_tokens = None
+    args.micro_batch_size = args.global_batch_size = 1
     args.lr = args.lr if args.lr is not None else PLACEHOLDER_LR
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     if tokenizer is not None:
