@@ -23,6 +23,7 @@ from tests.distributed import run_distributed
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGITS_ATOL = 1e-4  # HF vs ours, float32
 SHARDS_ATOL = 1e-5  # TP=1 from merged weights vs TP=2 from raw shards
+BF16_ATOL = 5e-2  # a bf16 export vs the float32 model
 PROMPT_TOKENS, NEW_TOKENS = 12, 8
 
 
@@ -129,20 +130,21 @@ def exports(checkpoints, tmp_path_factory) -> dict[str, str]:
     from megatron_lev.hf.cli import convert_to_hf_main
 
     root = tmp_path_factory.mktemp("hf")
-    jobs = {"lev_tp2": ("lev_tp2",), "lev_pp2": ("lev_pp2",), "tied_tp2": ("tied_tp2",),
-            "lev_tp2_materialized": ("lev_tp2", "--materialize-embeddings")}
+    jobs = {"lev_tp2": ("lev_tp2", "--dtype", "fp32", "--max-shard-size", "200KB"),
+            "lev_pp2": ("lev_pp2",), "tied_tp2": ("tied_tp2",),
+            "lev_tp2_materialized": ("lev_tp2", "--materialize-embeddings"),
+            "lev_tp2_bf16": ("lev_tp2", "--dtype", "bf16")}
     out = {}
     for name, (ckpt, *flags) in jobs.items():
         out[name] = str(root / name)
-        assert convert_to_hf_main(["--load", checkpoints[ckpt], "--output", out[name], "--dtype", "fp32",
-                                   "--max-shard-size", "200KB", *flags]) == 0
+        assert convert_to_hf_main(["--load", checkpoints[ckpt], "--output", out[name], *flags]) == 0
     return out
 
 
-def _hf_outputs(folder: str, prompt: torch.Tensor, **load_kwargs):
+def _hf_outputs(folder: str, prompt: torch.Tensor, load_dtype=torch.float32, **load_kwargs):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **load_kwargs).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=load_dtype, **load_kwargs).eval()
     with torch.no_grad():
         logits = model(prompt).logits
         tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
@@ -174,13 +176,29 @@ def test_lev_export_loads_with_remote_code(name, exports, reference, prompts):
     assert config["vocab_size"] == 1000 and not config["tie_word_embeddings"]
     with open(os.path.join(REPO, "megatron_lev", "lev.py"), encoding="utf-8") as f:
         assert open(os.path.join(folder, "lev.py"), encoding="utf-8").read() == f.read()  # verbatim copy
-    assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))  # 200KB shards
+    sharded = name == "lev_tp2"  # exported with --max-shard-size 200KB
+    assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json")) == sharded
+    files = glob.glob(os.path.join(folder, "*.safetensors"))
+    assert (len(files) > 1) if sharded else files == [os.path.join(folder, "model.safetensors")]
     model, logits, tokens = _hf_outputs(folder, prompts, trust_remote_code=True)
     assert type(model).__name__ == "LevForCausalLM"
     assert model.lm_head.weight.shape == (1000, 64)  # padding trimmed
     ours_logits, ours_tokens = reference["tp1"][name]
     torch.testing.assert_close(logits, ours_logits, rtol=0, atol=LOGITS_ATOL)
     assert torch.equal(tokens, ours_tokens), f"{tokens}\n{ours_tokens}"
+
+
+def test_lev_export_in_bf16(exports, reference, prompts):
+    """--dtype bf16: bf16 files, loaded as bf16 by default (the generator too, computing in
+    float32 inside), close to the float32 model."""
+    from safetensors.torch import load_file
+
+    folder = exports["lev_tp2_bf16"]
+    assert {t.dtype for t in load_file(os.path.join(folder, "model.safetensors")).values()} == {torch.bfloat16}
+    model, logits, _ = _hf_outputs(folder, prompts, trust_remote_code=True, load_dtype="auto")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    # bf16 rounding of weights and activations (measured: 5e-3 on logits of magnitude ~1).
+    torch.testing.assert_close(logits.float(), reference["tp1"]["lev_tp2"][0], rtol=0, atol=BF16_ATOL)
 
 
 def test_tied_export_is_standard_llama(exports, reference, prompts):
@@ -220,7 +238,7 @@ def test_exported_tokenizer_matches_training_tokenizer(exports, python_corpus, s
     ours = build_tokenizer("SentencePieceTokenizer", spm_tokenizer)
     for folder in (exports["lev_tp2"], exports["tied_tp2"]):
         assert os.path.isfile(os.path.join(folder, "tokenizer.model"))
-        hf = AutoTokenizer.from_pretrained(folder)
+        hf = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)  # v5 reads config.json too
         assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (ours.bos, ours.eod, ours.pad) == (1, 2, 3)
         config = json.load(open(os.path.join(folder, "generation_config.json")))
         assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 3)

@@ -50,7 +50,8 @@ REMOTE_CODE_FILES = {  # file written into the export -> its source in this pack
     "modeling_lev.py": os.path.join(HF_DIR, "modeling_lev.py"),
     "lev.py": LEV_SOURCE,
 }
-LEV_AUTO_MAP = {"AutoConfig": "configuration_lev.LevConfig", "AutoModelForCausalLM": "modeling_lev.LevForCausalLM"}
+LEV_AUTO_MAP = {"AutoConfig": "configuration_lev.LevConfig", "AutoModel": "modeling_lev.LevModel",
+                "AutoModelForCausalLM": "modeling_lev.LevForCausalLM"}
 HF_LEV_PREFIX = "model.embed_tokens.generator."
 # The resolved YAML `model:` section, kept in config.json so an import restores it exactly.
 MODEL_SECTION_KEY = "megatron_lev_model"

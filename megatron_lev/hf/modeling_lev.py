@@ -42,7 +42,10 @@ class LevEmbedding(nn.Module):
 
     def __init__(self, config: LevConfig):
         super().__init__()
-        self.generator = LEVGenerator(LEVConfig.from_dict(config.lev_generator_fields()))
+        # transformers sets the default dtype to the model's while it builds it (from_pretrained's
+        # `dtype`); LEVGenerator would otherwise pin float32.
+        self.generator = LEVGenerator(LEVConfig.from_dict(config.lev_generator_fields()),
+                                      dtype=torch.get_default_dtype())
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.generator.embed(input_ids).to(self.generator.w_out.dtype)
