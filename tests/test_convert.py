@@ -1,10 +1,11 @@
 """Release: training checkpoints -> Hugging Face folders -> training checkpoints, exactly.
 
-Tiny models are trained 3 steps by the trainer (`megatron_lev.train.main`, 2 gloo ranks, ZeRO-1):
-lev at TP=2, lev at PP=2, tied at TP=2 (and lev at DP=2 under ZeRO-3). Exports load with plain `transformers`; their logits
-equal our model's (float32, atol 1e-4) and greedy `generate()` equals greedy decoding with
-our model, loaded from the same checkpoint at TP=1. The TP=1 model itself is checked
-against the TP=2 model built from the raw shards (no merge code involved).
+Tiny models are trained 3 steps by the trainer (`megatron_lev.train.main`, one launch of 2
+gloo ranks): lev at TP=2 and at PP=2 and tied at TP=2 under ZeRO-1, lev at DP=2 under ZeRO-3.
+Exports load with plain `transformers`; their logits equal our model's (float32, atol 1e-4)
+and greedy `generate()` equals greedy decoding with our model, loaded from the same
+checkpoint at TP=1. That TP=1 model is itself checked against the TP=2 model built from
+the raw shard files (no merge code involved).
 """
 from __future__ import annotations
 
