@@ -432,6 +432,9 @@ class Trainer:
 
     def run(self) -> int:
         args, st = self.args, self.state
+        if st.iteration >= args.train_iters:  # a finished run started again (e.g. requeued): nothing to do
+            parallel.print_rank_0(f"iteration {st.iteration} >= --train-iters {args.train_iters}: already trained")
+            return EXIT_OK
         batches = micro_batches(self.train_ds, st.consumed_samples, args, self.device)
         stats = IntervalStats()
         grad_norm = None
@@ -467,11 +470,11 @@ class Trainer:
             if args.max_skipped_steps and st.consecutive_skipped >= args.max_skipped_steps:
                 # Skipped steps never touched the weights: this saves the last good state.
                 self.save()
-                parallel.print_rank_0(
-                    f"megatron_lev.train: error: {st.consecutive_skipped} non-finite steps in a row (iterations "
-                    f"{st.iteration - st.consecutive_skipped + 1}-{st.iteration}, --max-skipped-steps "
-                    f"{args.max_skipped_steps}); weights are those of iteration "
-                    f"{st.iteration - st.consecutive_skipped}" + (f", saved in {args.save}" if args.save else ""))
+                fail(f"{st.consecutive_skipped} non-finite steps in a row (iterations "
+                     f"{st.iteration - st.consecutive_skipped + 1}-{st.iteration}, --max-skipped-steps "
+                     f"{args.max_skipped_steps}); weights are those of iteration "
+                     f"{st.iteration - st.consecutive_skipped}" + (f", saved in {args.save}" if args.save else ""),
+                     self.rank)
                 return EXIT_SKIPPED_STEPS
 
             if args.eval_interval and st.iteration % args.eval_interval == 0:

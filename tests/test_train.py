@@ -78,9 +78,13 @@ def two_rank_runs(tiny_dataset, spm_tokenizer, tmp_path_factory):
                          "--exit-interval", "3"),
         "lev_dp2_z2": flags("lev_dp2_z2", "--config", "tiny-lev", "--zero-stage", "2", "--exit-interval", "3"),
         "lev_dp2_z3": flags("lev_dp2_z3", "--config", "tiny-lev", "--zero-stage", "3", "--exit-interval", "3"),
+        # lr 1e30: step 1 blows the weights up, every later loss is NaN.
+        "nonfinite": flags("nonfinite", "--config", "tiny-lev", "--lr", "1e30", "--max-skipped-steps", "3",
+                           "--save", os.path.join(work, "ckpt_nonfinite")),
     }
     codes = run_distributed(_train_runs, world_size=2, args=(list(runs.values()),), timeout=900)
-    assert codes[0] == codes[1] == [0] * len(runs), dict(zip(runs, codes[0]))
+    expected = [1 if name == "nonfinite" else 0 for name in runs]  # 1: too many non-finite steps
+    assert codes[0] == codes[1] == expected, dict(zip(runs, codes[0]))
     return work
 
 
@@ -141,6 +145,19 @@ def test_exact_resume(two_rank_runs):
     assert saved["model"]["embedding"] == "lev" and saved["training"]["data_parallel_size"] == 2
     assert os.path.isfile(os.path.join(ckpt, "config.yaml"))
     assert sorted(os.listdir(os.path.join(ckpt, "iter_0000030", "rng"))) == ["rank_00000.pt", "rank_00001.pt"]
+
+
+def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(two_rank_runs):
+    records = train_records(two_rank_runs, "nonfinite")
+    assert sorted(records) == [1, 2, 3, 4]  # exit after 3 skipped steps in a row
+    assert records[1]["loss"] == pytest.approx(6.92, abs=0.05) and records[1]["skipped_steps"] == 0
+    for it in (2, 3, 4):
+        assert records[it]["loss"] == "nan" and records[it]["grad_norm"] == "inf"
+        assert records[it]["skipped_steps"] == it - 1
+        # A skipped step does not advance the schedule (cosine decay would lower it).
+        assert records[it]["lr"] == 1e30
+    ckpt = os.path.join(two_rank_runs, "ckpt_nonfinite")
+    assert checkpointing.find_latest(ckpt) == "iter_0000004"
 
 
 def _main_error(monkeypatch, capsys, *argv, world_size=2):
