@@ -12,7 +12,12 @@ if [[ ! -x $venv/bin/python ]]; then
 fi
 py=$venv/bin/python
 stamp=$venv/.megatron_lev_installed
-# Reinstall only when setup.py changed (re-runs are fast).
+# The stamp holds setup.py's hash and the extras installed. Reinstall only when setup.py changed
+# or an extra is missing (re-runs are fast), keeping the extras already there: the tests (test)
+# and the demo (hf,plots) share one venv without reinstalling in turn.
+installed=""
+[[ ! -f $stamp ]] || read -r _ installed < "$stamp" || true
+extras=$(echo "${installed//,/ } ${extras//,/ }" | tr ' ' '\n' | sed '/^$/d' | sort -u | paste -sd, -)
 want="$(sha256sum "$repo/setup.py" | cut -c1-16) $extras"
 if [[ ! -f $stamp || "$(cat "$stamp")" != "$want" ]]; then
     "$py" -m pip install -q --upgrade pip >&2 2>/dev/null || true
