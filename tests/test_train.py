@@ -25,6 +25,7 @@ TRAIN_ITERS = 30
 # 1 rank vs TP/PP/DP layouts: fp32 sums in another order (DP gradient averaging, ZeRO
 # partitions) differ in the last bits; after 3 AdamW steps the losses agree to ~1e-7.
 LOSS_ATOL = 1e-5
+LAYOUT_RUN = ("--exit-interval", "3", "--eval-interval", "3")  # 3 steps, then a validation pass
 
 
 def train_flags(dataset, tokenizer, workdir, name, *extra):
@@ -71,13 +72,11 @@ def two_rank_runs(tiny_dataset, spm_tokenizer, tmp_path_factory):
                           "--save-interval", "5", "--keep-last-checkpoints", "2", "--exit-interval", "15"),
         "resume_b": flags("resume_b", "--config", "tiny-lev", "--zero-stage", "1", "--save", resume_dir,
                           "--load", resume_dir, "--save-interval", "5", "--keep-last-checkpoints", "2"),
-        # Layouts, 3 steps each.
-        "lev_tp2": flags("lev_tp2", "--config", "tiny-lev", "--tensor-model-parallel-size", "2",
-                         "--exit-interval", "3"),
-        "lev_pp2": flags("lev_pp2", "--config", "tiny-lev", "--pipeline-model-parallel-size", "2",
-                         "--exit-interval", "3"),
-        "lev_dp2_z2": flags("lev_dp2_z2", "--config", "tiny-lev", "--zero-stage", "2", "--exit-interval", "3"),
-        "lev_dp2_z3": flags("lev_dp2_z3", "--config", "tiny-lev", "--zero-stage", "3", "--exit-interval", "3"),
+        # Layouts: 3 steps and an evaluation each.
+        "lev_tp2": flags("lev_tp2", "--config", "tiny-lev", "--tensor-model-parallel-size", "2", *LAYOUT_RUN),
+        "lev_pp2": flags("lev_pp2", "--config", "tiny-lev", "--pipeline-model-parallel-size", "2", *LAYOUT_RUN),
+        "lev_dp2_z2": flags("lev_dp2_z2", "--config", "tiny-lev", "--zero-stage", "2", *LAYOUT_RUN),
+        "lev_dp2_z3": flags("lev_dp2_z3", "--config", "tiny-lev", "--zero-stage", "3", *LAYOUT_RUN),
         # lr 1e30: step 1 blows the weights up, every later loss is NaN.
         "nonfinite": flags("nonfinite", "--config", "tiny-lev", "--lr", "1e30", "--max-skipped-steps", "3",
                            "--save", os.path.join(work, "ckpt_nonfinite")),
@@ -90,21 +89,25 @@ def two_rank_runs(tiny_dataset, spm_tokenizer, tmp_path_factory):
 
 def test_layouts_match_one_rank(two_rank_runs, tiny_dataset, spm_tokenizer, tmp_path):
     """TP=2, PP=2 and DP=2 under ZeRO-1/2/3 give the 1-rank losses and grad norms (same global
-    batch 8, micro-batch 4, seed) for 3 steps; the grad norm is DeepSpeed's clipping norm, so
-    equal norms mean replicated parameters are counted once and shards summed."""
+    batch 8, micro-batch 4, seed) for 3 steps, and the same validation loss after them; the
+    grad norm is DeepSpeed's clipping norm, so equal norms mean replicated parameters are
+    counted once and shards summed."""
     work = str(tmp_path)
-    ref_flags = train_flags(tiny_dataset, spm_tokenizer, work, "ref", "--config", "tiny-lev", "--exit-interval", "3")
+    ref_flags = train_flags(tiny_dataset, spm_tokenizer, work, "ref", "--config", "tiny-lev", *LAYOUT_RUN)
     assert run_distributed(_train_runs, world_size=1, args=([ref_flags],)) == [[0]]
     ref = train_records(work, "ref")
     assert sorted(ref) == [1, 2, 3]
     assert ref[1]["grad_norm"] > 1.0  # clipping (--clip-grad 1.0) is active in step 1
+    (ref_valid,) = [r["valid_loss"] for r in read_metrics(work, "ref") if "valid_loss" in r]
     for name in ("lev_tp2", "lev_pp2", "lev_dp2_z1", "lev_dp2_z2", "lev_dp2_z3"):
         got = train_records(two_rank_runs, name)
         for it in (1, 2, 3):
             assert got[it]["loss"] == pytest.approx(ref[it]["loss"], abs=LOSS_ATOL, rel=0), (name, it)
             assert got[it]["grad_norm"] == pytest.approx(ref[it]["grad_norm"], rel=1e-5), (name, it)
             assert got[it]["consumed_tokens"] == it * 8 * 64
-    # The 1-rank run accumulates 2 micro-batches per step; DP=2 takes one each.
+        if name != "lev_dp2_z1":  # that one evaluates at 10, 20, 30
+            (valid,) = [r for r in read_metrics(two_rank_runs, name) if "valid_loss" in r]
+            assert valid["iteration"] == 3 and valid["valid_loss"] == pytest.approx(ref_valid, abs=LOSS_ATOL), name
     assert train_records(two_rank_runs, "lev_tp2")[3]["lr"] == ref[3]["lr"]
 
 
