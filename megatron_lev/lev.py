@@ -158,81 +158,93 @@ def token_digits(ids: torch.Tensor, base: int, num_coordinates: int, order: str 
     return digits
 
 
-def bspline_basis(x: torch.Tensor, num_knots: int) -> tuple[torch.Tensor, torch.Tensor]:
+def bspline_basis(x: torch.Tensor, num_knots: int, with_derivative: bool = False):
     """Normalised quadratic B-spline basis of x in [0, 1] on `num_knots` uniform knots.
 
     Only the nearest knot `c` and its two neighbours can be non-zero, so this
     returns them in closed form instead of evaluating all knots:
       center  [...]     long, nearest knot index c
       weights [..., 3]  weights of knots (c-1, c, c+1), zero for a knot off the grid,
-                        divided by their sum (which is 1 away from the two ends).
+                        divided by their sum (which is 1 away from the two ends)
+      dweights [..., 3] d weights / d x (only with `with_derivative`)
     With t0 = x*(kappa-1) - c in [-1/2, 1/2] the spec's piecewise polynomial gives
     0.5*(0.5 - t0)^2, 0.75 - t0^2, 0.5*(0.5 + t0)^2.
     """
     scaled = x * (num_knots - 1)
     center = torch.floor(scaled + 0.5).clamp_(0, num_knots - 1)
     t0 = scaled - center
-    weights = torch.stack((0.5 * (0.5 - t0) ** 2, 0.75 - t0 * t0, 0.5 * (0.5 + t0) ** 2), dim=-1)
-    center = center.long()
     on_grid = torch.stack((center > 0, torch.ones_like(center, dtype=torch.bool), center < num_knots - 1), dim=-1)
-    weights = weights * on_grid
-    return center, weights / weights.sum(-1, keepdim=True)
+    raw = torch.stack((0.5 * (0.5 - t0) ** 2, 0.75 - t0 * t0, 0.5 * (0.5 + t0) ** 2), dim=-1) * on_grid
+    total = raw.sum(-1, keepdim=True)
+    weights = raw / total
+    if not with_derivative:
+        return center.long(), weights
+    # Quotient rule on raw / total; dt0/dx = kappa - 1 (the nearest knot is locally constant).
+    draw = torch.stack((t0 - 0.5, -2.0 * t0, t0 + 0.5), dim=-1) * on_grid * (num_knots - 1)
+    return center.long(), weights, (draw - weights * draw.sum(-1, keepdim=True)) / total
 
 
-def _dense_head_basis(center: torch.Tensor, weights: torch.Tensor, num_knots: int) -> torch.Tensor:
-    """One head's sparse basis, center [n, d] and weights [n, d, 3] -> dense [d, n, kappa]."""
-    knots = (center.t().unsqueeze(-1) + torch.arange(-1, 2, device=center.device)).clamp_(0, num_knots - 1)
+def _neighbour_knots(center: torch.Tensor, num_knots: int) -> torch.Tensor:
+    """center [n, d] -> knot indices (c-1, c, c+1) as [d, n, 3], clamped onto the grid."""
+    return (center.t().unsqueeze(-1) + torch.arange(-1, 2, device=center.device)).clamp_(0, num_knots - 1)
+
+
+def _dense_basis(knots: torch.Tensor, weights: torch.Tensor, num_knots: int) -> torch.Tensor:
+    """Sparse basis, knots [d, n, 3] and weights [n, d, 3] -> dense [d, n, kappa]."""
     dense = torch.zeros(*knots.shape[:2], num_knots, dtype=weights.dtype, device=weights.device)
     # Off-grid knots carry weight 0, so clamping their index onto the grid adds nothing.
     return dense.scatter_add_(-1, knots, weights.transpose(0, 1))
 
 
 class _SeparableModes(torch.autograd.Function):
-    """M[n, l, q] = prod_d phi[n, l, d, q],  phi = sum_j B[n, l, d, j] * S[l, d, j, q].
+    """M[n, l, q] = prod_d phi[n, l, d, q],  phi = sum_j B_j(x[n, l, d]) * S[l, d, j, q].
 
-    A custom Function so the [d_s, n, r] mode factors are never stored: they are
-    built one head at a time (peak memory ~ one head's factors, not all of them)
-    and rebuilt in backward from the compact basis. Backward uses
+    A custom Function for memory: it saves only x, S and M. The basis and the
+    [d_s, n, r] mode factors are built one head at a time (peak ~ one head's
+    factors) and rebuilt in backward. Backward uses
     dM/dphi[d] = M * sign(phi[d]) / (|phi[d]| + eps), the exact derivative of the
-    sign-parity log-sum form.
+    sign-parity log-sum form, and the basis' closed-form derivative.
     """
 
     @staticmethod
-    def forward(ctx, center, weights, coeffs, eps):
-        n, h, _ = center.shape
+    def forward(ctx, x, coeffs, eps):
+        n, h, _ = x.shape
+        kappa = coeffs.shape[2]
         modes = torch.empty(n, h, coeffs.shape[-1], dtype=torch.float32, device=coeffs.device)
         for l in range(h):
-            phi = torch.bmm(_dense_head_basis(center[:, l], weights[:, l], coeffs.shape[2]), coeffs[l])
+            center, weights = bspline_basis(x[:, l], kappa)
+            phi = torch.bmm(_dense_basis(_neighbour_knots(center, kappa), weights, kappa), coeffs[l])  # [d, n, r]
             # Parity of the negative factors. Summing the sign bits as uint8 wraps modulo
             # 256, which keeps the parity and avoids an int64 copy of all the factors.
             negative = torch.signbit(phi).view(torch.uint8).sum(0, dtype=torch.uint8)
             log_magnitude = phi.abs_().add_(eps).log_().sum(0)
             sign = 1.0 - 2.0 * (negative & 1).to(torch.float32)
-            torch.mul(sign, log_magnitude.exp_(), out=modes[:, l])
-        ctx.save_for_backward(center, weights, coeffs, modes)
+            modes[:, l] = sign * log_magnitude.exp_()
+        ctx.save_for_backward(x, coeffs, modes)
         ctx.eps = eps
         return modes
 
     @staticmethod
     def backward(ctx, grad_modes):
-        center, weights, coeffs, modes = ctx.saved_tensors
+        x, coeffs, modes = ctx.saved_tensors
         kappa = coeffs.shape[2]
-        grad_weights = torch.empty_like(weights) if ctx.needs_input_grad[1] else None
-        grad_coeffs = torch.empty_like(coeffs) if ctx.needs_input_grad[2] else None
-        g = (grad_modes.to(torch.float32) * modes)  # [n, h, r]
-        for l in range(center.shape[1]):
-            basis = _dense_head_basis(center[:, l], weights[:, l], kappa)  # [d, n, kappa]
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        grad_coeffs = torch.empty_like(coeffs) if ctx.needs_input_grad[1] else None
+        g = grad_modes.to(torch.float32) * modes  # [n, h, r]
+        for l in range(x.shape[1]):
+            center, weights, dweights = bspline_basis(x[:, l], kappa, with_derivative=True)
+            knots = _neighbour_knots(center, kappa)
+            basis = _dense_basis(knots, weights, kappa)  # [d, n, kappa]
             phi = torch.bmm(basis, coeffs[l])  # [d, n, r]
             grad_phi = phi.sign()
             grad_phi.div_(phi.abs_().add_(ctx.eps)).mul_(g[:, l])
             del phi
             if grad_coeffs is not None:
                 torch.bmm(basis.transpose(1, 2), grad_phi, out=grad_coeffs[l])
-            if grad_weights is not None:
-                grad_basis = torch.bmm(grad_phi, coeffs[l].transpose(1, 2))  # [d, n, kappa]
-                knots = (center[:, l].t().unsqueeze(-1) + torch.arange(-1, 2, device=center.device)).clamp_(0, kappa - 1)
-                grad_weights[:, l] = grad_basis.gather(-1, knots).transpose(0, 1)
-        return None, grad_weights, grad_coeffs, None
+            if grad_x is not None:
+                grad_weights = torch.bmm(grad_phi, coeffs[l].transpose(1, 2)).gather(-1, knots)  # [d, n, 3]
+                grad_x[:, l] = (grad_weights.transpose(0, 1) * dweights).sum(-1)
+        return grad_x, grad_coeffs, None
 
 
 def separable_modes(x: torch.Tensor, coeffs: torch.Tensor, eps: float = 1e-9) -> torch.Tensor:
@@ -240,8 +252,7 @@ def separable_modes(x: torch.Tensor, coeffs: torch.Tensor, eps: float = 1e-9) ->
 
     Always float32 inside, whatever the dtype of x and coeffs.
     """
-    center, weights = bspline_basis(x.to(torch.float32), coeffs.shape[2])
-    return _SeparableModes.apply(center, weights, coeffs.to(torch.float32).contiguous(), eps)
+    return _SeparableModes.apply(x.to(torch.float32), coeffs.to(torch.float32).contiguous(), eps)
 
 
 def init_lev_parameters(config: LEVConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
