@@ -46,6 +46,7 @@ from megatron_lev.metrics import MetricsWriter
 from megatron_lev.optim import build_lr_scheduler, build_optimizer
 
 EXIT_OK, EXIT_SKIPPED_STEPS, EXIT_CONFIG = 0, 1, 2
+_PROCESS_START = time.time()  # --exit-duration-in-mins counts start-up too (a job's wall time does)
 
 
 # --------------------------------------------------------------------------- signals
@@ -284,7 +285,6 @@ class Trainer:
         self.peak_flops = peak_flops_per_device(args.gpu_type, args.peak_tflops)
         self.count_distinct = model_config.embedding == "lev"
         self.last_saved: Optional[int] = None
-        self.start_time = time.time()
 
         if args.load:
             tag = checkpointing.find_latest(args.load)
@@ -330,7 +330,7 @@ class Trainer:
     def _stop_requested_locally(self) -> tuple[float, float]:
         signalled = float(self.exit_handler is not None and self.exit_handler.received is not None)
         limit = self.args.exit_duration_in_mins
-        timed_out = float(limit is not None and (time.time() - self.start_time) / 60.0 > limit)
+        timed_out = float(limit is not None and (time.time() - _PROCESS_START) / 60.0 > limit)
         return signalled, timed_out
 
     def reduce_step(self, loss: torch.Tensor, distinct: int) -> tuple[float, int, Optional[str]]:

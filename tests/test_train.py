@@ -77,6 +77,9 @@ def two_rank_runs(tiny_dataset, spm_tokenizer, tmp_path_factory):
         "lev_pp2": flags("lev_pp2", "--config", "tiny-lev", "--pipeline-model-parallel-size", "2", *LAYOUT_RUN),
         "lev_dp2_z2": flags("lev_dp2_z2", "--config", "tiny-lev", "--zero-stage", "2", *LAYOUT_RUN),
         "lev_dp2_z3": flags("lev_dp2_z3", "--config", "tiny-lev", "--zero-stage", "3", *LAYOUT_RUN),
+        # A wall-time budget already spent: checkpoint and exit 0 after the first step.
+        "out_of_time": flags("out_of_time", "--config", "tiny-tied", "--exit-duration-in-mins", "0",
+                             "--save", os.path.join(work, "ckpt_out_of_time")),
         # lr 1e30: step 1 blows the weights up, every later loss is NaN.
         "nonfinite": flags("nonfinite", "--config", "tiny-lev", "--lr", "1e30", "--max-skipped-steps", "3",
                            "--save", os.path.join(work, "ckpt_nonfinite")),
@@ -148,6 +151,11 @@ def test_exact_resume(two_rank_runs):
     assert saved["model"]["embedding"] == "lev" and saved["training"]["data_parallel_size"] == 2
     assert os.path.isfile(os.path.join(ckpt, "config.yaml"))
     assert sorted(os.listdir(os.path.join(ckpt, "iter_0000030", "rng"))) == ["rank_00000.pt", "rank_00001.pt"]
+
+
+def test_exit_duration_checkpoints_and_exits_zero(two_rank_runs):
+    assert sorted(train_records(two_rank_runs, "out_of_time")) == [1]
+    assert checkpointing.find_latest(os.path.join(two_rank_runs, "ckpt_out_of_time")) == "iter_0000001"
 
 
 def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(two_rank_runs):
