@@ -26,7 +26,7 @@ setup(
     ],
     extras_require={
         "hf": ["transformers>=5.0", "safetensors>=0.4", "protobuf>=3.20"],  # protobuf: SentencePiece -> tokenizer.json
-        "eval": ["transformers>=4.45", "safetensors>=0.4", "lm-eval>=0.4.5", "accelerate>=0.26", "matplotlib>=3.7"],
+        "eval": ["transformers>=5.0", "protobuf>=3.20", "safetensors>=0.4", "lm-eval>=0.4.5", "accelerate>=0.26", "matplotlib>=3.7"],
         "plots": ["matplotlib>=3.7"],
         "wandb": ["wandb"],
         "mpi": ["mpi4py>=3.1"],

@@ -37,7 +37,7 @@ import torch
 
 from megatron_lev import checkpointing
 from megatron_lev.lev import HEAD_SHARDED_PARAMETERS, REPLICATED_PARAMETERS
-from megatron_lev.model import LeviathanConfig, model_config_from_dict, pad_vocab_size
+from megatron_lev.model import LeviathanConfig, merge_tensor_parallel_shards, model_config_from_dict, pad_vocab_size
 
 
 # Where model.py's LEV embedding (lev_parallel.ParallelLEVEmbedding) keeps the generator's parameters.
@@ -132,10 +132,7 @@ def merge_tp_shards(name: str, shards: list[torch.Tensor], part: Partition, sour
                     f"{source}: replicated parameter {name} differs between tensor-parallel ranks 0 and {rank} "
                     f"(max |diff| {diff}): the ranks did not train one model")
         return shards[0]
-    if part.stride == 1:
-        return torch.cat(shards, dim=part.dim)
-    pieces = [_split_strided(s, part.dim, part.stride) for s in shards]
-    return torch.cat([torch.cat([p[k] for p in pieces], dim=part.dim) for k in range(part.stride)], dim=part.dim)
+    return merge_tensor_parallel_shards(shards, part.dim, part.stride)
 
 
 def split_for_tp(full: torch.Tensor, part: Partition, tp: int, rank: int) -> torch.Tensor:
