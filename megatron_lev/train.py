@@ -433,7 +433,8 @@ class Trainer:
     def run(self) -> int:
         args, st = self.args, self.state
         if st.iteration >= args.train_iters:  # a finished run started again (e.g. requeued): nothing to do
-            parallel.print_rank_0(f"iteration {st.iteration} >= --train-iters {args.train_iters}: already trained")
+            parallel.print_rank_0(f"training done: already at iteration {st.iteration} (--train-iters "
+                                  f"{args.train_iters}), nothing to do")
             return EXIT_OK
         batches = micro_batches(self.train_ds, st.consumed_samples, args, self.device)
         stats = IntervalStats()
@@ -477,11 +478,13 @@ class Trainer:
                      self.rank)
                 return EXIT_SKIPPED_STEPS
 
+            paused = time.perf_counter()  # evaluation and saving do not count as step time
             if args.eval_interval and st.iteration % args.eval_interval == 0:
                 self.evaluate(self.valid_ds, "valid")
                 last_eval = st.iteration
             if args.save_interval and st.iteration % args.save_interval == 0:
                 self.save()
+            stats.start += time.perf_counter() - paused
             if stop is None and args.exit_interval and st.iteration % args.exit_interval == 0:
                 stop = "exit interval"
             if stop is not None and st.iteration < args.train_iters:
