@@ -9,6 +9,13 @@ copy of the codebooks. The seed z goes through the copy-to-TP mapping (identity
 forward, all-reduce of the gradient backward) so every rank's codebook gradient
 is the whole one; the per-rank partial embeddings are summed over TP.
 
+Each distinct id of the micro-batch is evaluated once (`LEVConfig.unique_ids`)
+and gathered to its positions; in float32 the output equals per-position
+evaluation bit for bit (lev.ROW_BLOCK says how). Under TP the all-reduce runs on
+the distinct ids' rows before the gather; with more than 2 TP ranks the
+collective's summation order may then differ from a per-position reduction in
+the last bit.
+
 The math is in `lev.py`; this file only wires it to megatron-core.
 """
 from __future__ import annotations
