@@ -24,7 +24,9 @@ with LEV, 124 M tied); `1.2b` is lev-1.2b (for GPUs).
 Output: one JSON object; per size, per kind the median/min step time, tokens/s, model
 TFLOP/s (megatron_lev.flops, the trainer's formula), MFU when a peak is known, and on
 CUDA the memory; and the ratios `lev_over_tied` / `untied_over_tied` of the median step
-times (>1: slower than tied).
+times (>1: slower than tied). On a shared machine wall time is noisy: `ratios_of_fastest_step`
+and, on CPU, `ratios_of_cpu_time` (process CPU seconds per step) are less disturbed by other
+processes; the CPU load average at start and end is reported.
 """
 from __future__ import annotations
 
@@ -136,6 +138,7 @@ class Run:
     parameters: int
     static_memory_gb: Optional[float]  # CUDA: memory the engine holds (weights, grads, optimizer)
     step_times: list = field(default_factory=list)
+    cpu_times: list = field(default_factory=list)  # process CPU seconds per step (all threads)
     distinct_ids: list = field(default_factory=list)
     activation_peak_gb: float = 0.0
     losses: list = field(default_factory=list)
@@ -191,7 +194,7 @@ def train_steps(run: Run, batches: list[dict], start: int, steps: int) -> None:
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = engine(b["tokens"], position_ids=b["position_ids"], labels=b["labels"], loss_mask=b["loss_mask"])
         engine.backward(loss)
         engine.step()
@@ -199,7 +202,8 @@ def train_steps(run: Run, batches: list[dict], start: int, steps: int) -> None:
             torch.cuda.synchronize()
             run.activation_peak_gb = max(run.activation_peak_gb, (torch.cuda.max_memory_allocated() - base) / 2**30)
         run.step_times.append(time.perf_counter() - t0)
-        run.losses.append(float(loss))
+        run.cpu_times.append(time.process_time() - c0)
+        run.losses.append(float(loss.detach()))
         run.distinct_ids.append(int(torch.unique(b["tokens"]).numel()))
 
 
@@ -221,6 +225,8 @@ def summarize(run: Run, size: Size, peak_flops: Optional[float]) -> dict:
         "distinct_ids_per_micro_batch": statistics.mean(run.distinct_ids),
         "final_loss": run.losses[-1],
     }
+    if not torch.cuda.is_available():
+        out["cpu_time_s_median"] = statistics.median(run.cpu_times)
     if run.static_memory_gb is not None:
         out["memory_gb"] = {"model_and_optimizer_states": run.static_memory_gb,
                             "step_peak_above_states": run.activation_peak_gb,
@@ -245,7 +251,7 @@ def bench_size(name: str, size: Size, kinds, *, bf16: bool, device, data_path: O
         batches = [as_inputs(w, device) for w in windows]
         for run in runs.values():  # warm-up steps are not timed
             train_steps(run, batches, 0, warmup)
-            run.step_times, run.losses, run.distinct_ids, run.activation_peak_gb = [], [], [], 0.0
+            run.step_times, run.cpu_times, run.losses, run.distinct_ids, run.activation_peak_gb = [], [], [], [], 0.0
         for rep in range(size.repeats):
             order = list(kinds[rep % len(kinds):]) + list(kinds[:rep % len(kinds)])
             for kind in order:
@@ -262,15 +268,23 @@ def bench_size(name: str, size: Size, kinds, *, bf16: bool, device, data_path: O
             "repeats": size.repeats, "steps_per_repeat": size.steps, "warmup_steps": warmup,
             "kinds": {k: summarize(r, size, peak_flops) for k, r in runs.items()},
         }
-        med = {k: v["step_time_s_median"] for k, v in result["kinds"].items()}
-        if "tied" in med:
-            result["ratios"] = {f"{k}_over_tied": med[k] / med["tied"] for k in med if k != "tied"}
+        if "tied" in kinds:
+            result["ratios"] = _ratios(result["kinds"], "step_time_s_median")
+            # Less disturbed by other processes on a shared machine: the fastest step, and on CPU
+            # the CPU time the steps consumed.
+            result["ratios_of_fastest_step"] = _ratios(result["kinds"], "step_time_s_min")
+            if device.type == "cpu":
+                result["ratios_of_cpu_time"] = _ratios(result["kinds"], "cpu_time_s_median")
         return result
     finally:
         runs.clear()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _ratios(kinds: dict, key: str) -> dict:
+    return {f"{k}_over_tied": v[key] / kinds["tied"][key] for k, v in kinds.items() if k != "tied"}
 
 
 def environment(device) -> dict:
@@ -338,6 +352,8 @@ def main(argv=None) -> dict:
             report["sizes"][name] = bench_size(name, size, tuple(args.kinds), bf16=args.bf16, device=device,
                                                data_path=args.data_path, peak_flops=peak, warmup=args.warmup,
                                                num_layers=args.num_layers)
+    if device.type == "cpu":
+        report["environment"]["load_average_1m_end"] = os.getloadavg()[0]
     print_json(report, args.output)
     return report
 
