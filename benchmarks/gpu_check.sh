@@ -29,7 +29,7 @@ else
         echo "gpu_check.sh: reusing the CUDA torch of $(command -v python3) in $venv" >&2
         python3 -m venv --system-site-packages "$venv"
     fi
-    py=$(VENV=$venv EXTRAS=plots bash "$repo/tools/setup_env.sh" | tail -n 1)
+    py=$(VENV=$venv EXTRAS="" bash "$repo/tools/setup_env.sh" | tail -n 1)  # no extras needed
 fi
 if ! cuda_torch "$py"; then
     echo "gpu_check.sh: $py: torch $("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo '(none)')" \

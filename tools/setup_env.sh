@@ -2,11 +2,11 @@
 # Create (or reuse) the project's virtual environment and install the package into it.
 # Used by tools/run_tests.sh and tools/quickstart.sh. Prints the venv's python path last.
 #   VENV=path     where the environment lives (default: <repo>/.venv)
-#   EXTRAS=a,b    package extras to install (default: test)
+#   EXTRAS=a,b    package extras to install (default: test; EXTRAS= for none)
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${VENV:-$repo/.venv}
-extras=${EXTRAS:-test}
+extras=${EXTRAS-test}
 if [[ ! -x $venv/bin/python ]]; then
     python3 -m venv "$venv"
 fi
@@ -26,7 +26,7 @@ if [[ ! -f $stamp || "$(cat "$stamp")" != "$want" ]]; then
     if ! "$py" -c "import torch" >/dev/null 2>&1; then
         "$py" -m pip install -q "torch==2.13.0" >&2
     fi
-    "$py" -m pip install -q -e "${repo}[$extras]" >&2
+    "$py" -m pip install -q -e "${repo}${extras:+[$extras]}" >&2
     echo "$want" > "$stamp"
 fi
 echo "$py"
