@@ -38,6 +38,25 @@ class LaunchEnv:
     master_addr: str
     master_port: int
     launcher: str  # "torchrun" | "slurm" | "mpi" | "single"
+    local_world_size: int = 1  # processes on this node
+
+
+def _local_world_size(env, *names: str) -> int:
+    """Processes on this node, from the first of `names` set (Slurm's per-node counts read
+    like "2(x3)" or "4,2": this node's entry is the one at SLURM_NODEID)."""
+    for name in names:
+        value = env.get(name)
+        if not value:
+            continue
+        if name.startswith("SLURM_"):
+            counts = []
+            for part in value.split(","):
+                count, _, times = part.partition("(x")
+                counts += [int(count)] * (int(times.rstrip(")")) if times else 1)
+            node = int(env.get("SLURM_NODEID", 0))
+            return counts[node] if node < len(counts) else counts[-1]
+        return int(value)
+    return 1
 
 
 def _free_port() -> int:
@@ -58,25 +77,29 @@ def detect_launch_env(environ=None) -> LaunchEnv:
     addr = env.get("MASTER_ADDR", "127.0.0.1")
     if "RANK" in env and "WORLD_SIZE" in env:
         return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                         addr, int(env.get("MASTER_PORT", 29500)), "torchrun")
+                         addr, int(env.get("MASTER_PORT", 29500)), "torchrun",
+                         _local_world_size(env, "LOCAL_WORLD_SIZE"))
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         port = int(env.get("MASTER_PORT", 10000 + int(env.get("SLURM_JOB_ID", 0)) % 50000))
         return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
-                         int(env.get("SLURM_LOCALID", 0)), addr, port, "slurm")
-    for rank_var, size_var, local_var in (
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-        ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"),
+                         int(env.get("SLURM_LOCALID", 0)), addr, port, "slurm",
+                         _local_world_size(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"))
+    for rank_var, size_var, local_var, local_size_var in (
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+        ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
     ):
         if rank_var in env and size_var in env:
-            return _mpi_launch_env(env, int(env[rank_var]), int(env[size_var]), int(env.get(local_var, 0)))
+            return _mpi_launch_env(env, int(env[rank_var]), int(env[size_var]), int(env.get(local_var, 0)),
+                                   _local_world_size(env, local_size_var))
     return LaunchEnv(0, 1, 0, addr, int(env.get("MASTER_PORT", 0)) or _free_port(), "single")
 
 
-def _mpi_launch_env(env, rank: int, world_size: int, local_rank: int) -> LaunchEnv:
+def _mpi_launch_env(env, rank: int, world_size: int, local_rank: int, local_world_size: int) -> LaunchEnv:
     """Under mpirun, rank 0's host becomes the rendezvous address (broadcast with mpi4py)."""
     if "MASTER_ADDR" in env:
-        return LaunchEnv(rank, world_size, local_rank, env["MASTER_ADDR"], int(env.get("MASTER_PORT", 29500)), "mpi")
+        return LaunchEnv(rank, world_size, local_rank, env["MASTER_ADDR"], int(env.get("MASTER_PORT", 29500)), "mpi",
+                         local_world_size)
     try:
         from mpi4py import MPI
     except ImportError as exc:  # pragma: no cover - depends on the cluster
@@ -84,7 +107,21 @@ def _mpi_launch_env(env, rank: int, world_size: int, local_rank: int) -> LaunchE
                            "or export MASTER_ADDR/MASTER_PORT") from exc
     comm = MPI.COMM_WORLD
     addr, port = comm.bcast((socket.gethostname(), _free_port()) if comm.Get_rank() == 0 else None, root=0)
-    return LaunchEnv(rank, world_size, local_rank, addr, int(env.get("MASTER_PORT", port)), "mpi")
+    return LaunchEnv(rank, world_size, local_rank, addr, int(env.get("MASTER_PORT", port)), "mpi", local_world_size)
+
+
+def cuda_device_index(launch: LaunchEnv, device_count: int) -> int:
+    """This process's GPU: its local rank. Refuses a node that exposes fewer GPUs than it
+    runs processes, where `local_rank % count` would silently share a GPU between ranks."""
+    if launch.local_world_size > device_count or launch.local_rank >= device_count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise RuntimeError(
+            f"this node runs {max(launch.local_world_size, launch.local_rank + 1)} processes ({launch.launcher}) but "
+            f"exposes {device_count} GPU(s)"
+            + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+            + ": start one process per GPU (torchrun --nproc-per-node, srun --ntasks-per-node, "
+            "GPUS_PER_NODE in slurm/) or request more GPUs (--gres=gpu:N)")
+    return launch.local_rank
 
 
 def default_device() -> torch.device:
@@ -102,7 +139,7 @@ def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> L
     if dist.is_initialized():
         return launch
     if torch.cuda.is_available():
-        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(cuda_device_index(launch, torch.cuda.device_count()))
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     os.environ.setdefault("MASTER_ADDR", launch.master_addr)
     os.environ.setdefault("MASTER_PORT", str(launch.master_port))
@@ -137,6 +174,10 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         order="tp-cp-ep-dp-pp",
+        # Gloo duplicates of the groups are only needed on CPU, where they are the groups
+        # anyway; on GPUs they would open TCP connections by hostname, which fails
+        # multi-node where the hostname resolves to loopback or a wrong interface.
+        create_gloo_process_groups=not torch.cuda.is_available(),
     )
 
 

@@ -1,4 +1,5 @@
 """Parallel wiring: launcher detection, megatron-core groups, CPU RNG tracker, mpu adapter."""
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -20,6 +21,27 @@ def test_detect_launch_env_torchrun_slurm_single():
     assert (env.rank, env.world_size, env.launcher) == (2, 4, "mpi")
     env = parallel.detect_launch_env({})
     assert (env.rank, env.world_size, env.launcher) == (0, 1, "single") and env.master_port > 0
+
+
+def test_local_world_size_and_too_few_gpus_refused(monkeypatch):
+    """Processes per node from each launcher; a node with fewer GPUs than processes is
+    refused (local_rank % count would put two ranks on one GPU)."""
+    slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "10", "SLURM_LOCALID": "1", "MASTER_ADDR": "n0"}
+    assert parallel.detect_launch_env({**slurm, "SLURM_STEP_TASKS_PER_NODE": "4(x2),2",
+                                       "SLURM_NODEID": "2"}).local_world_size == 2
+    assert parallel.detect_launch_env({**slurm, "SLURM_TASKS_PER_NODE": "4(x2),2",
+                                       "SLURM_NODEID": "1"}).local_world_size == 4
+    assert parallel.detect_launch_env({"RANK": "0", "WORLD_SIZE": "8", "LOCAL_RANK": "0",
+                                       "LOCAL_WORLD_SIZE": "8"}).local_world_size == 8
+    mpi = parallel.detect_launch_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4",
+                                      "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                                      "MASTER_ADDR": "h"})
+    assert (mpi.local_rank, mpi.local_world_size) == (1, 2)
+    assert parallel.cuda_device_index(mpi, 2) == 1 and parallel.cuda_device_index(mpi, 8) == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(RuntimeError, match=r"^this node runs 2 processes \(mpi\) but exposes 1 GPU\(s\) "
+                                           r"\(CUDA_VISIBLE_DEVICES=0\): start one process per GPU"):
+        parallel.cuda_device_index(mpi, 1)
 
 
 def test_cpu_rng_tracker_fork_is_isolated_and_restorable():
@@ -59,7 +81,25 @@ def _groups_and_seeds(rank, world_size):
         "dp": (mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()),
         "pp_world": mpu.get_pipeline_model_parallel_world_size(),
         "tp_sum": t.item(), "tp_draw": tp_draw, "default_draw": default_draw,
+        "gloo_groups": _gloo_groups_created(),
     }
+
+
+def _gloo_groups_created() -> dict:
+    """Whether megatron-core made its gloo duplicate groups, on CPU and where CUDA is used
+    (is_available patched: the groups are created by the same call on the gloo world)."""
+    from megatron.core import parallel_state
+
+    created = {"cpu": parallel_state.get_data_parallel_group_gloo() is not None}
+    parallel_state.destroy_model_parallel()
+    is_available = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True
+    try:
+        parallel.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
+        created["cuda"] = parallel_state._DATA_PARALLEL_GROUP_GLOO is not None
+    finally:
+        torch.cuda.is_available = is_available
+    return created
 
 
 def test_two_ranks_tensor_parallel_groups_rng_and_mpu():
@@ -71,3 +111,4 @@ def test_two_ranks_tensor_parallel_groups_rng_and_mpu():
     # Same default stream on both TP ranks, distinct model-parallel streams.
     assert torch.equal(r0["default_draw"], r1["default_draw"])
     assert not torch.equal(r0["tp_draw"], r1["tp_draw"])
+    assert r0["gloo_groups"] == r1["gloo_groups"] == {"cpu": True, "cuda": False}
