@@ -119,31 +119,35 @@ job_hosts() {
     fi
 }
 
-# The run's sequence length: SEQ_LENGTH (then passed as --seq-length), else the
-# config's. Reading the config also fails early, and clearly, on a bad CONFIG.
-resolve_seq_length() {
-    if [[ -n ${SEQ_LENGTH:-} ]]; then
-        require_int SEQ_LENGTH "$SEQ_LENGTH" 1
-        return 0
-    fi
-    SEQ_LENGTH=$(python - "$CONFIG" <<'PY'
+# The run's sequence length and global batch: SEQ_LENGTH and GLOBAL_BATCH (then passed
+# as --seq-length / --global-batch-size), else the config's. Reading the config also
+# fails early, and clearly, on a bad CONFIG.
+resolve_config() {
+    [[ -z ${SEQ_LENGTH:-} ]] || require_int SEQ_LENGTH "$SEQ_LENGTH" 1
+    [[ -z ${GLOBAL_BATCH:-} ]] || require_int GLOBAL_BATCH "$GLOBAL_BATCH" 1
+    local values
+    values=$(python - "$CONFIG" <<'PY'
 import sys
 from megatron_lev.configs import load_config
 try:
     config = load_config(sys.argv[1])
 except (FileNotFoundError, ValueError) as exc:
     sys.exit(f"slurm: error: CONFIG={sys.argv[1]}: {exc}")
-print((config.get("training") or {}).get("seq_length") or config["model"]["seq_length"])
+training = config.get("training") or {}
+print(training.get("seq_length") or config["model"]["seq_length"], training.get("global_batch_size") or "")
 PY
     ) || exit 1
-    CONFIG_SEQ_LENGTH=1
+    local config_seq config_batch
+    read -r config_seq config_batch <<<"$values"
+    if [[ -z ${SEQ_LENGTH:-} ]]; then SEQ_LENGTH=$config_seq CONFIG_SEQ_LENGTH=1; fi
+    : "${GLOBAL_BATCH:=$config_batch}"  # empty when the config has none: micro-batch x DP
 }
 
-# Per-GPU defaults, sized for the 1.2B configs (README "Running on a Slurm cluster"):
-# under ZeRO-1 the weights, gradients and Adam states of 1.2B parameters take 10-12 GB
-# per GPU at TP=1, so tensor parallelism would only add communication; the micro batch
-# is what the activations allow, about 5.6 GB per 2048-token sequence (tokens per GPU
-# per micro-batch below, divided by the sequence length).
+# Per-GPU defaults, sized for the 1.2B configs (docs/slurm.md "Sizing"): under ZeRO-1 the
+# weights, gradients and Adam states of 1.2B parameters take 10-12 GB per GPU at TP=1, so
+# tensor parallelism would only add communication; the micro-batch is what the
+# activations allow, about 5.6 GB per 2048-token sequence (tokens per GPU per
+# micro-batch below, divided by the sequence length): MICRO_BATCH_FITS.
 gpu_defaults() {
     local tokens
     case $GPU_TYPE in
@@ -152,7 +156,55 @@ gpu_defaults() {
         h200) tokens=32768 ;;  # 141 GB
         *) die "GPU_TYPE=$GPU_TYPE: expected a100, h100 or h200" ;;
     esac
-    : "${TP:=1}" "${PP:=1}" "${MICRO_BATCH:=$((tokens / SEQ_LENGTH > 0 ? tokens / SEQ_LENGTH : 1))}"
+    : "${TP:=1}" "${PP:=1}"
+    MICRO_BATCH_FITS=$((tokens / SEQ_LENGTH > 0 ? tokens / SEQ_LENGTH : 1))
+}
+
+# The nearest values around $1 (down to 1, up to 4 x $1) for which `$2 VALUE` succeeds,
+# as "A or B" (one side when the other has none).
+nearest_valid() {
+    local value=$1 test=$2 below="" above="" v
+    for ((v = value - 1; v >= 1; v--)); do if "$test" "$v"; then below=$v; break; fi; done
+    for ((v = value + 1; v <= 4 * value; v++)); do if "$test" "$v"; then above=$v; break; fi; done
+    echo "${below}${below:+${above:+ or }}${above}"
+}
+_nodes_split_batch() {  # NODES=$1 gives a data-parallel size that divides GLOBAL_BATCH
+    local gpus=$(($1 * GPUS_PER_NODE))
+    ((gpus % (TP * PP) == 0 && GLOBAL_BATCH % (gpus / (TP * PP)) == 0))
+}
+_batch_splits() { (($1 % DP == 0)); }  # GLOBAL_BATCH=$1 splits over DP
+_divides_per_rank() { ((PER_RANK % $1 == 0)); }
+
+# Batch arithmetic, decided here so that a layout that cannot work is refused at submit
+# time (also under DRY_RUN) instead of by the trainer after the allocation started:
+# DP = GPUs / (TP x PP); every DP rank takes GLOBAL_BATCH / DP sequences per step, as
+# MICRO_BATCH sequences at a time, accumulated ACCUMULATION times. Without MICRO_BATCH
+# it is the largest size that fits the GPU (MICRO_BATCH_FITS) and divides the share.
+choose_micro_batch() {
+    DP=$((NODES * GPUS_PER_NODE / (TP * PP)))
+    if [[ -z $GLOBAL_BATCH ]]; then  # no global batch anywhere: one micro-batch per rank
+        : "${MICRO_BATCH:=$MICRO_BATCH_FITS}"
+        ACCUMULATION=1
+        return 0
+    fi
+    if ! _batch_splits "$GLOBAL_BATCH"; then
+        local nodes
+        nodes=$(nearest_valid "$NODES" _nodes_split_batch)
+        die "GLOBAL_BATCH=$GLOBAL_BATCH sequences cannot be split over data-parallel size $DP" \
+            "(NODES=$NODES x GPUS_PER_NODE=$GPUS_PER_NODE / TP=$TP x PP=$PP): use" \
+            "${nodes:+NODES=$nodes, or }GLOBAL_BATCH=$(nearest_valid "$GLOBAL_BATCH" _batch_splits)"
+    fi
+    PER_RANK=$((GLOBAL_BATCH / DP))
+    if [[ -z ${MICRO_BATCH:-} ]]; then
+        MICRO_BATCH=$MICRO_BATCH_FITS
+        ((MICRO_BATCH <= PER_RANK)) || MICRO_BATCH=$PER_RANK
+        while ((PER_RANK % MICRO_BATCH)); do MICRO_BATCH=$((MICRO_BATCH - 1)); done
+    else
+        _divides_per_rank "$MICRO_BATCH" \
+            || die "MICRO_BATCH=$MICRO_BATCH does not divide the $PER_RANK sequences per data-parallel rank" \
+                "(GLOBAL_BATCH=$GLOBAL_BATCH / DP=$DP): use MICRO_BATCH=$(nearest_valid "$MICRO_BATCH" _divides_per_rank)"
+    fi
+    ACCUMULATION=$((PER_RANK / MICRO_BATCH))
 }
 
 # Which of torchrun's newer flags this torch has, read from its source (importing torch
@@ -207,7 +259,7 @@ build_commands() {
         --micro-batch-size "$MICRO_BATCH"
     )
     [[ -n ${CONFIG_SEQ_LENGTH:-} ]] || train_args+=(--seq-length "$SEQ_LENGTH")
-    [[ -n ${GLOBAL_BATCH:-} ]] && train_args+=(--global-batch-size "$GLOBAL_BATCH")
+    [[ -z $GLOBAL_BATCH ]] || train_args+=(--global-batch-size "$GLOBAL_BATCH")
     [[ -n ${TRAIN_TOKENS:-} ]] && train_args+=(--train-tokens "$TRAIN_TOKENS")
     [[ -n ${TRAIN_ITERS:-} ]] && train_args+=(--train-iters "$TRAIN_ITERS")
     train_args+=(
@@ -248,14 +300,20 @@ build_commands() {
     srun_cmd+=("${torchrun_cmd[@]}")
 }
 
+batch_summary() {
+    echo "DP=$DP x MICRO_BATCH=$MICRO_BATCH x ACCUMULATION=$ACCUMULATION" \
+        "= GLOBAL_BATCH=${GLOBAL_BATCH:-$((DP * MICRO_BATCH))} sequences of $SEQ_LENGTH tokens per step"
+}
+
 print_dry_run() {
     local i=0 host
     echo "# DRY_RUN=1: nothing was launched. Environment exported to every task:"
     local var
     for var in CUDA_DEVICE_MAX_CONNECTIONS TORCH_NCCL_ASYNC_ERROR_HANDLING PYTORCH_CUDA_ALLOC_CONF \
-        NCCL_DEBUG PYTHONUNBUFFERED TOKENIZERS_PARALLELISM PYTHONPATH; do
-        echo "export $var=${!var@Q}"
+        NCCL_DEBUG PYTHONUNBUFFERED TOKENIZERS_PARALLELISM PYTHONPATH DS_ACCELERATOR; do
+        if [[ -v $var ]]; then echo "export $var=${!var@Q}"; else echo "unset $var"; fi
     done
+    echo "# Batch: $(batch_summary)"
     echo "# The batch shell runs (one task per node, logs in $JOB_LOG_DIR):"
     print_cmd "${srun_cmd[@]}"
     for host in "${HOSTS[@]}"; do
@@ -300,6 +358,10 @@ launch_training() {
     REQUEUE=0 TERMINATED=0 STEP_PID=
     trap _on_usr1 USR1
     trap _on_term TERM
+    # The submitting shell's DS_ACCELERATOR (the CPU instructions export
+    # DS_ACCELERATOR=cpu) must not put DeepSpeed on the CPU on GPU nodes: DeepSpeed detects
+    # the accelerator itself; a site that needs to force one sets it in SITE_ENV.
+    unset DS_ACCELERATOR
     setup_python_env
     [[ -n ${CONFIG:-} ]] || die "CONFIG is not set (the sbatch script sets it)"
     [[ -n ${DATA_PATH:-} ]] || die "DATA_PATH is not set: export DATA_PATH=\"PREFIX\" or a blend \"W1 PREFIX1 W2 PREFIX2\" (tools/make_blend.py prints one)"
@@ -310,7 +372,7 @@ launch_training() {
     [[ -z ${TEST_DATA_PATH:-} ]] || check_blend TEST_DATA_PATH "$TEST_DATA_PATH"
 
     : "${GPU_TYPE:=h100}"
-    resolve_seq_length
+    resolve_config
     gpu_defaults
     : "${NODES:=${SLURM_JOB_NUM_NODES:-1}}"
     : "${GPUS_PER_NODE:=${SLURM_GPUS_ON_NODE:-8}}"
@@ -321,17 +383,18 @@ launch_training() {
     : "${SAVE_INTERVAL:=1000}" "${LOG_INTERVAL:=10}" "${BF16:=1}"
     : "${SHUTDOWN_TIMEOUT:=240}" "${MAX_REQUEUES:=50}"
     : "${LOG_ROOT:=$MEGATRON_LEV_DIR/logs}"
-    for var in NODES GPUS_PER_NODE TP PP MICRO_BATCH SAVE_INTERVAL LOG_INTERVAL SHUTDOWN_TIMEOUT; do
+    for var in NODES GPUS_PER_NODE TP PP SAVE_INTERVAL LOG_INTERVAL SHUTDOWN_TIMEOUT; do
         require_int "$var" "${!var}" 1
     done
+    [[ -z ${MICRO_BATCH:-} ]] || require_int MICRO_BATCH "$MICRO_BATCH" 1
     require_int MAX_REQUEUES "$MAX_REQUEUES"
-    [[ -z ${GLOBAL_BATCH:-} ]] || require_int GLOBAL_BATCH "$GLOBAL_BATCH" 1
     [[ -z ${TRAIN_TOKENS:-} || -z ${TRAIN_ITERS:-} ]] || die "set TRAIN_TOKENS or TRAIN_ITERS, not both"
     [[ $BF16 == 0 || $BF16 == 1 ]] || die "BF16=$BF16: expected 0 or 1"
     [[ -f $DEEPSPEED_CONFIG ]] || die "DEEPSPEED_CONFIG=$DEEPSPEED_CONFIG: no such file"
     local world=$((NODES * GPUS_PER_NODE))
     ((world % (TP * PP) == 0)) \
         || die "TP=$TP x PP=$PP must divide the $world GPUs (NODES=$NODES x GPUS_PER_NODE=$GPUS_PER_NODE)"
+    choose_micro_batch
 
     if [[ -n ${SLURM_JOB_NUM_NODES:-} && $NODES != "$SLURM_JOB_NUM_NODES" ]]; then
         die "NODES=$NODES but the allocation has $SLURM_JOB_NUM_NODES nodes: submit with sbatch --nodes=$NODES"
@@ -361,6 +424,7 @@ launch_training() {
     mkdir -p "$JOB_LOG_DIR" "$CHECKPOINT_DIR"
     {
         log "job $JOB_ID restart $RESTART on ${HOSTS[*]:0:NODES}; resuming from checkpoint: $(latest_iteration)"
+        log "batch: $(batch_summary)"
         echo "srun command: $(print_cmd "${srun_cmd[@]}")"
         ((TORCHRUN_USR1)) || log "warning: this torchrun has no --signals-to-handle (torch < 2.9):" \
             "stop requests reach the trainers as SIGTERM through scancel"

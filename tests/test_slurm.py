@@ -152,6 +152,48 @@ def test_dry_run_defaults_outside_slurm(fake_inputs):
     assert flag(cmd, "--save") == [str(REPO / "checkpoints" / "tied-1.2b")]
 
 
+def test_batch_arithmetic_for_every_node_count(tmp_path, fake_inputs):
+    """1, 2, 4, 8 nodes of A100/H100/H200 (the configs' 512 x 512-token global batch): the
+    micro-batch is the largest that fits the GPU (tokens per GPU / 512) and divides the
+    512 / DP sequences of each rank, and the trainer's own validation accepts the command
+    with the same accumulation. 3 nodes (DP=24) cannot split 512: refused before launch,
+    in one line. The submitting shell's DS_ACCELERATOR=cpu never reaches the job."""
+    from megatron_lev.arguments import parse_args, validate_args
+
+    inputs = {k: v for k, v in fake_inputs.items() if k != "prefixes"}
+    fits = {"a100": 8192 // 512, "h100": 16384 // 512, "h200": 32768 // 512}
+    for gpu, nodes in [(g, n) for g in fits for n in (1, 2, 4, 8)]:
+        proc = run_script("train_lev_1b.sh", DRY_RUN=1, GPU_TYPE=gpu, NODES=nodes, DS_ACCELERATOR="cpu", **inputs)
+        assert proc.returncode == 0, (gpu, nodes, proc.stderr)
+        (cmd,) = {l for l in proc.stdout.splitlines() if l.startswith("torchrun ")}
+        cmd = shlex.split(cmd)
+        dp, per_rank = nodes * 8, 512 // (nodes * 8)
+        micro = max(m for m in range(1, fits[gpu] + 1) if per_rank % m == 0)
+        assert flag(cmd, "--micro-batch-size") == [str(micro)], (gpu, nodes)
+        args = validate_args(parse_args(cmd[cmd.index("-m") + 2:]), world_size=dp)
+        assert (args.micro_batch_size, args.global_batch_size) == (micro, 512)
+        assert args.gradient_accumulation_steps == per_rank // micro
+        assert (f"# Batch: DP={dp} x MICRO_BATCH={micro} x ACCUMULATION={per_rank // micro} = GLOBAL_BATCH=512 "
+                "sequences of 512 tokens per step") in proc.stdout
+        assert "unset DS_ACCELERATOR" in proc.stdout.splitlines()
+    # H100 at 4 nodes: 16 sequences per rank, below the 32 that fit.
+    for env, message in [
+        ({"NODES": 3}, "slurm: error: GLOBAL_BATCH=512 sequences cannot be split over data-parallel size 24 "
+                       "(NODES=3 x GPUS_PER_NODE=8 / TP=1 x PP=1): use NODES=2 or 4, or GLOBAL_BATCH=504 or 528\n"),
+        ({"NODES": 3, "TP": 2}, "slurm: error: GLOBAL_BATCH=512 sequences cannot be split over data-parallel size 12 "
+                                "(NODES=3 x GPUS_PER_NODE=8 / TP=2 x PP=1): use NODES=2 or 4, or GLOBAL_BATCH=504 or 516\n"),
+        ({"NODES": 4, "MICRO_BATCH": 3}, "slurm: error: MICRO_BATCH=3 does not divide the 16 sequences per "
+                                         "data-parallel rank (GLOBAL_BATCH=512 / DP=32): use MICRO_BATCH=2 or 4\n"),
+    ]:
+        proc = run_script("train_lev_1b.sh", DRY_RUN=1, **env, **inputs)
+        assert (proc.returncode, proc.stderr, proc.stdout) == (1, message, ""), env
+    # A site that needs DeepSpeed's CPU accelerator forces it in SITE_ENV.
+    site = tmp_path / "site_env.sh"
+    site.write_text("export DS_ACCELERATOR=cpu\n")
+    proc = run_script("train_lev_1b.sh", DRY_RUN=1, SITE_ENV=site, **inputs)
+    assert "export DS_ACCELERATOR='cpu'" in proc.stdout.splitlines(), proc.stderr
+
+
 @pytest.mark.parametrize("env, message", [
     ({"DATA_PATH": None}, "DATA_PATH is not set"),
     ({"TOKENIZER_MODEL": None}, "TOKENIZER_MODEL is not set"),
