@@ -33,6 +33,7 @@ import yaml
 from megatron_lev import parallel
 from megatron_lev.arguments import ConfigError
 from megatron_lev.data.corpus import atomic_path
+from megatron_lev.safe_load import check_checkpoint_files, safe_torch_load, use_safe_checkpoint_engine
 
 LATEST = "latest"
 COMPLETE_MARKER = "complete.json"
@@ -182,7 +183,11 @@ def prune_checkpoints(save_dir: str, keep_last: int) -> list[str]:
 
 def load_checkpoint(engine, load_dir: str, tag: str, *, load_optimizer: bool = True) -> dict:
     """Collective: restore the engine (and, unless `load_optimizer` is False, optimizer,
-    LR schedule and counters) and this rank's RNG streams. Returns the client state."""
+    LR schedule and counters) and this rank's RNG streams. Returns the client state.
+    Every file is loaded weights_only first (safe_load: a hostile pickle is refused on every
+    rank, never run), and DeepSpeed's own loads go through the same safe loader."""
+    check_checkpoint_files(os.path.join(load_dir, tag))
+    use_safe_checkpoint_engine(engine)
     path, client_state = engine.load_checkpoint(
         load_dir, tag=tag, load_optimizer_states=load_optimizer, load_lr_scheduler_states=load_optimizer,
         load_module_only=not load_optimizer)
@@ -192,7 +197,7 @@ def load_checkpoint(engine, load_dir: str, tag: str, *, load_optimizer: bool = T
     rng_path = os.path.join(load_dir, tag, "rng", f"rank_{rank:05d}.pt")
     if load_optimizer:
         if os.path.isfile(rng_path):
-            parallel.load_rng_state_dict(torch.load(rng_path, weights_only=False))
+            parallel.load_rng_state_dict(safe_torch_load(rng_path))
         else:
             warnings.warn(f"{rng_path} is missing (saved by a job of another size?): RNG streams start from "
                           f"--seed, so the run will not continue bit-identically")

@@ -38,6 +38,7 @@ import torch
 from megatron_lev import checkpointing
 from megatron_lev.lev import HEAD_SHARDED_PARAMETERS, REPLICATED_PARAMETERS
 from megatron_lev.model import LeviathanConfig, merge_tensor_parallel_shards, model_config_from_dict, pad_vocab_size
+from megatron_lev.safe_load import safe_torch_load
 
 
 # Where model.py's LEV embedding (lev_parallel.ParallelLEVEmbedding) keeps the generator's parameters.
@@ -264,10 +265,7 @@ def find_checkpoint(load_dir: str, iteration: Optional[int] = None) -> Checkpoin
 def _torch_load(path: str) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing shard")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # a truncated or foreign file
-        raise CheckpointError(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from None
+    return safe_torch_load(path)  # weights_only: a hostile pickle is refused, never run
 
 
 def _plain_rank_state(info: CheckpointInfo, tp_rank: int) -> dict:
@@ -295,6 +293,8 @@ def _zero3_rank_state(info: CheckpointInfo, tp_rank: int) -> dict:
             if not any(re.search(rf"zero_pp_rank_{dp_rank}_{suffix}_{kind}_states\.pt$", f) for f in files):
                 raise CheckpointError(f"{os.path.join(info.path, f'zero_pp_rank_{dp_rank}_{suffix}_{kind}_states.pt')}: "
                                       f"missing shard (ZeRO-3, data-parallel rank {dp_rank} of {dp})")
+    for f in model_files + optim_files:  # zero_to_fp32 unpickles them with weights_only=False
+        safe_torch_load(f, mmap=True)
     with tempfile.TemporaryDirectory(prefix="megatron_lev_zero3_") as tmp:
         os.makedirs(os.path.join(tmp, info.tag))
         for f in model_files + optim_files:

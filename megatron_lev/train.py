@@ -44,6 +44,7 @@ from megatron_lev.ds_config import build_deepspeed_config, offloads_optimizer
 from megatron_lev.flops import FlopsModel, peak_flops_per_device, training_flops
 from megatron_lev.metrics import MetricsWriter
 from megatron_lev.optim import build_lr_scheduler, build_optimizer
+from megatron_lev.safe_load import CheckpointLoadError
 
 EXIT_OK, EXIT_SKIPPED_STEPS, EXIT_CONFIG = 0, 1, 2
 _PROCESS_START = time.time()  # --exit-duration-in-mins counts start-up too (a job's wall time does)
@@ -198,14 +199,16 @@ def build_datasets(args, tokenizer):
         tokenizer=tokenizer, cache_dir=args.data_cache_path)
 
 
-def micro_batches(dataset, consumed_samples: int, args, device) -> Iterator[dict]:
-    """This DP rank's micro-batches from `consumed_samples` on, on `device`."""
+def micro_batches(dataset, consumed_samples: int, args, device,
+                  lev_vocab_size: Optional[int] = None) -> Iterator[dict]:
+    """This DP rank's micro-batches from `consumed_samples` on, on `device` (with LEV's
+    distinct ids when `lev_vocab_size` is given: see collate_pretraining_batch)."""
     from megatron.core import parallel_state
     from megatron_lev.data.datasets import build_pretraining_data_loader
 
     loader = build_pretraining_data_loader(
         dataset, consumed_samples, args.micro_batch_size, parallel_state.get_data_parallel_rank(),
-        parallel_state.get_data_parallel_world_size(), num_workers=args.num_workers)
+        parallel_state.get_data_parallel_world_size(), num_workers=args.num_workers, lev_vocab_size=lev_vocab_size)
     for batch in loader:
         yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -223,8 +226,20 @@ class PipelineBatches:
 
     def __next__(self):
         b = next(self.batches)
-        self.distinct += int(torch.unique(b["tokens"]).numel())
+        self.distinct += distinct_count(b)
         return (b["tokens"], b["position_ids"]), (b["labels"], b["loss_mask"])
+
+
+def distinct_count(batch: dict) -> int:
+    """Distinct token ids of a micro-batch: the loader's count (a shape, no sync) for LEV."""
+    if "lev_ids" in batch:
+        return batch["lev_ids"].numel()
+    return int(torch.unique(batch["tokens"]).numel())
+
+
+def model_inputs(batch: dict) -> dict:
+    """The keyword inputs of LeviathanModel.forward a micro-batch carries."""
+    return {k: batch[k] for k in ("position_ids", "labels", "loss_mask", "lev_ids", "lev_inverse") if k in batch}
 
 
 # --------------------------------------------------------------------------- training
@@ -284,6 +299,7 @@ class Trainer:
         self.flops_model = flops_model(model_config, args.seq_length)
         self.peak_flops = peak_flops_per_device(args.gpu_type, args.peak_tflops)
         self.count_distinct = model_config.embedding == "lev"
+        self.lev_vocab_size = model_config.vocab_size if self.count_distinct else None
         self.last_saved: Optional[int] = None
 
         if args.load:
@@ -320,8 +336,8 @@ class Trainer:
         for _ in range(self.args.gradient_accumulation_steps):
             b = next(batches)
             if self.count_distinct:
-                distinct += int(torch.unique(b["tokens"]).numel())
-            loss = engine(b["tokens"], position_ids=b["position_ids"], labels=b["labels"], loss_mask=b["loss_mask"])
+                distinct += distinct_count(b)
+            loss = engine(b["tokens"], **model_inputs(b))
             engine.backward(poison_nonfinite(loss))
             engine.step()
             losses.append(loss.detach().float())
@@ -353,7 +369,7 @@ class Trainer:
         if dataset is None or len(dataset) == 0:
             return None
         args, engine = self.args, self.engine
-        batches = micro_batches(dataset, 0, args, self.device)
+        batches = micro_batches(dataset, 0, args, self.device, self.lev_vocab_size)
         total, count = 0.0, 0
         for _ in range(args.eval_iters):
             if self.is_pipeline:
@@ -364,8 +380,7 @@ class Trainer:
                 engine.eval()
                 for _ in range(args.gradient_accumulation_steps):
                     b = next(batches)
-                    total += float(engine(b["tokens"], position_ids=b["position_ids"], labels=b["labels"],
-                                          loss_mask=b["loss_mask"]))
+                    total += float(engine(b["tokens"], **model_inputs(b)))
                     count += 1
         # Average over data-parallel replicas (every rank of a replica holds the same value).
         t = torch.tensor([total / count], dtype=torch.float64, device=self.device)
@@ -436,7 +451,7 @@ class Trainer:
             parallel.print_rank_0(f"training done: already at iteration {st.iteration} (--train-iters "
                                   f"{args.train_iters}), nothing to do")
             return EXIT_OK
-        batches = micro_batches(self.train_ds, st.consumed_samples, args, self.device)
+        batches = micro_batches(self.train_ds, st.consumed_samples, args, self.device, self.lev_vocab_size)
         stats = IntervalStats()
         grad_norm = None
         last_eval = None
@@ -552,7 +567,10 @@ def main(argv=None) -> int:
             datasets = build_datasets(args, tokenizer)
         except (ValueError, FileNotFoundError) as exc:
             return fail(str(exc), launch.rank)
-        trainer = Trainer(args, model_config, ds_config, config, datasets)
+        try:
+            trainer = Trainer(args, model_config, ds_config, config, datasets)
+        except CheckpointLoadError as exc:  # raised on every rank alike (safe_load.check_checkpoint_files)
+            return fail(str(exc), launch.rank)
         # Only now: a signal during start-up kills the job as usual (nothing new to save, and
         # a hung start-up must stay killable); from here on it means "checkpoint, exit 0".
         if args.exit_signal_handler:
