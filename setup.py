@@ -1,4 +1,7 @@
-"""megatron_lev: pre-training stack for Leviathan (LEV input embeddings) language models."""
+"""megatron_lev: pre-training stack for Leviathan (LEV input embeddings) language models.
+
+The metadata lives here; pyproject.toml only names the build backend.
+"""
 from setuptools import find_packages, setup
 
 setup(
@@ -10,7 +13,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_lev", "megatron_lev.*"]),
     # YAML configs live inside the package so an installed package finds them.
-    package_data={"megatron_lev": ["configs/*.yaml", "configs/**/*.yaml", "hf/*.py"]},
+    # So are the DeepSpeed JSONs (`deepspeed_configs/` in a checkout links to them).
+    package_data={"megatron_lev": ["configs/*.yaml", "configs/**/*.yaml", "deepspeed_configs/*.json", "hf/*.py"]},
     include_package_data=True,
     install_requires=[
         # A range that the cluster's own CUDA build satisfies (and 2.13 CPU here).
@@ -33,5 +37,11 @@ setup(
         "test": ["pytest>=8", "transformers>=5.0", "safetensors>=0.4", "protobuf>=3.20", "matplotlib>=3.7", "lm-eval>=0.4.5",
                  "accelerate>=0.26"],  # lm-eval's HF model class imports accelerate
     },
-    entry_points={"console_scripts": ["megatron-lev-train=megatron_lev.train:main"]},
+    entry_points={"console_scripts": [
+        "megatron-lev-train=megatron_lev.cli:train",
+        "megatron-lev-preprocess=megatron_lev.cli:preprocess",
+        "megatron-lev-convert-to-hf=megatron_lev.cli:convert_to_hf",
+        "megatron-lev-convert-from-hf=megatron_lev.cli:convert_from_hf",
+        "megatron-lev-evaluate=megatron_lev.cli:evaluate",
+    ]},
 )

@@ -1,4 +1,5 @@
-"""The DeepSpeed config of a run: a JSON from `deepspeed_configs/` completed from our flags.
+"""The DeepSpeed config of a run: a JSON from `megatron_lev/deepspeed_configs/` (package data,
+also reachable as `deepspeed_configs/` in a checkout) completed from our flags.
 
 The JSONs hold only what is DeepSpeed's business (ZeRO stage, buckets, offload,
 fp32 gradient accumulation). The keys that our flags own are written "auto" there and
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from megatron_lev.arguments import ConfigError
 
-DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "deepspeed_configs"
+DS_CONFIG_DIR = Path(__file__).resolve().parent / "deepspeed_configs"
 DEFAULT_ZERO_STAGE = 1
 AUTO = "auto"
 
@@ -35,7 +36,10 @@ def resolve_deepspeed_config(name_or_path: str | None, zero_stage: int | None) -
     path = Path(name_or_path)
     if path.is_file():
         return path
-    packaged = DS_CONFIG_DIR / (name_or_path if name_or_path.endswith(".json") else f"{name_or_path}.json")
+    # A name, or a checkout-relative `deepspeed_configs/zero2.json` given outside the checkout
+    # (scripts written for the repo keep working with an installed package).
+    name = path.name if path.parent.name == "deepspeed_configs" else name_or_path
+    packaged = DS_CONFIG_DIR / (name if name.endswith(".json") else f"{name}.json")
     if packaged.is_file():
         return packaged
     available = ", ".join(sorted(p.stem for p in DS_CONFIG_DIR.glob("*.json"))) or "none found"
