@@ -180,10 +180,12 @@ def greedy_decode(model, prompt_ids: list[int], max_new_tokens: int, eod: Option
     return ids[len(prompt_ids):]
 
 
-def generate(hf_dir: str, run_dir: str, prompts, max_new_tokens: int, sample_seed: int = 1234) -> dict:
-    """Continuations of `prompts` by the HF export loaded with plain transformers
-    (`trust_remote_code`): greedy ones, checked against our own model's greedy decoding on
-    the run's checkpoint, and seeded samples (temperature 0.8, top-k 40)."""
+def generate(hf_dir: str, run_dir: str, prompts, max_new_tokens: int, sample_seed: int = 1234,
+             trust_remote_code: bool = False) -> dict:
+    """Continuations of `prompts` by the HF export loaded with plain transformers (its LEV
+    code only when byte-identical to ours, or with `trust_remote_code`): greedy ones, checked
+    against our own model's greedy decoding on the run's checkpoint, and seeded samples
+    (temperature 0.8, top-k 40)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -191,8 +193,11 @@ def generate(hf_dir: str, run_dir: str, prompts, max_new_tokens: int, sample_see
     from megatron_lev.data.tokenizer import build_tokenizer
     from megatron_lev.model import LeviathanModel
 
-    hf_tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True).eval()
+    from megatron_lev.safe_load import hf_trust_remote_code
+
+    trust = hf_trust_remote_code(hf_dir, trust_remote_code)  # refuses code that is not ours
+    hf_tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=trust)
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=trust).eval()
     info = find_checkpoint(run_dir)
     config = info.model_config()
     ours = LeviathanModel(config)
@@ -341,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--load", required=True, help="the training run it was exported from")
     s.add_argument("--prompt", action="append", help=f"repeatable (default: {list(DEFAULT_PROMPTS)})")
     s.add_argument("--max-new-tokens", type=int, default=48)
+    s.add_argument("--trust-remote-code", action="store_true",
+                   help="run the folder's Python code even when it is not byte-identical to ours")
     s.add_argument("--output", required=True)
     s = sub.add_parser("summary", help="print (and write) what the demo produced and where")
     s.add_argument("--out", required=True)
@@ -377,7 +384,8 @@ def main(argv=None) -> int:
                 result = {name: run_validation_losses(path)
                           for name, path in parse_named(args.run, "--run", allow_bare=False).items()}
             else:
-                result = generate(args.hf, args.load, args.prompt or list(DEFAULT_PROMPTS), args.max_new_tokens)
+                result = generate(args.hf, args.load, args.prompt or list(DEFAULT_PROMPTS), args.max_new_tokens,
+                                  trust_remote_code=args.trust_remote_code)
         finally:
             if started:
                 parallel.destroy_parallel()

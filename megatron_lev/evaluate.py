@@ -10,7 +10,8 @@ Models (`--model NAME=PATH`, repeat to compare; all are scored on the same token
     `iter_NNNNNNN` directory in it. Any TP / PP / ZeRO layout: the shards are merged into
     one full state dict (megatron_lev.convert) and run as a TP=1 LeviathanModel.
   * a Hugging Face export (`tools/convert_to_hf.py`; any causal LM whose tokenizer is the
-    data's), loaded with `trust_remote_code`.
+    data's). A folder's own Python code runs only when it is byte-identical to the LEV code
+    this package ships, or with `--trust-remote-code` (docs/security.md).
 
 Data. Without `--data-path`, the first checkpoint's own data, split, seed and tokenizer
 are used, so `--eval-split valid` (default) scores the very documents of its `valid_loss`.
@@ -99,7 +100,8 @@ def model_source(path: str, flag: str = "--model") -> tuple[str, str, Optional[i
                      "iter_* checkpoint), an iter_* checkpoint, nor a Hugging Face folder (no config.json)")
 
 
-def load_model(name: str, path: str, device: torch.device, bf16: bool = False) -> LoadedModel:
+def load_model(name: str, path: str, device: torch.device, bf16: bool = False,
+               trust_remote_code: bool = False) -> LoadedModel:
     kind, load_dir, iteration = model_source(path, f"--model {name}=")
     if kind == "checkpoint":
         from megatron_lev.convert import load_checkpoint_full, load_full_state_dict
@@ -118,7 +120,10 @@ def load_model(name: str, path: str, device: torch.device, bf16: bool = False) -
         return LoadedModel(name, kind, path, module.to(device).eval(), config.vocab_size, info, ckpt.config)
     from transformers import AutoModelForCausalLM
 
-    module = AutoModelForCausalLM.from_pretrained(load_dir, trust_remote_code=True,
+    from megatron_lev.safe_load import hf_trust_remote_code
+
+    trust = hf_trust_remote_code(load_dir, trust_remote_code)  # refuses code that is not ours
+    module = AutoModelForCausalLM.from_pretrained(load_dir, trust_remote_code=trust,
                                                   dtype=torch.bfloat16 if bf16 else torch.float32)
     config = module.config
     info = {"architecture": type(module).__name__, "parameters": sum(p.numel() for p in module.parameters())}
@@ -362,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-dir", required=True)
     g.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda when available)")
     g.add_argument("--bf16", action="store_true", help="run the models in bf16 (log-softmax stays float32)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="run HF folders' own Python code even when it is not byte-identical to ours (docs/security.md)")
     g.add_argument("--plot-width", type=int, default=1200)
     g.add_argument("--plot-height", type=int, default=800)
     return p
@@ -402,7 +409,7 @@ def run(args) -> dict:
     try:
         parallel.initialize_model_parallel(1, 1)
         device = torch.device(args.device) if args.device else parallel.default_device()
-        models = [load_model(name, path, device, args.bf16) for name, path in named.items()]
+        models = [load_model(name, path, device, args.bf16, args.trust_remote_code) for name, path in named.items()]
         vocab = {m.name: m.vocab_size for m in models}
         if len(set(vocab.values())) > 1:
             raise ValueError(f"the models' vocabularies differ ({vocab}): they must share a tokenizer")

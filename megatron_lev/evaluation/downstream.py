@@ -6,7 +6,8 @@
         --data-dir eval_data/ --output-dir eval/downstream
 
 Each `--model NAME=DIR` is an HF export (`tools/convert_to_hf.py`), loaded by lm-eval's
-`hf` model class with `trust_remote_code` (Leviathan exports carry their modelling code).
+`hf` model class. A LEV export's modelling code runs only when it is byte-identical to the
+copy this package ships, or with `--trust-remote-code` (docs/security.md).
 
 Offline use. `--data-dir DIR` (or `--task-data TASK=FILE`) supplies a task's documents
 as a local JSON-lines file `DIR/<task>.jsonl`, one row per document with the fields of
@@ -146,13 +147,17 @@ def _metrics_of(task_result: dict) -> dict[str, float]:
 
 
 def evaluate_model(path: str, tasks, task_manager, local: dict[str, str], *, batch_size=8, device=None,
-                   dtype="auto", num_fewshot=None, limit=None, max_length=None, log_samples=False) -> dict:
+                   dtype="auto", num_fewshot=None, limit=None, max_length=None, log_samples=False,
+                   trust_remote_code: bool = False) -> dict:
     """Run lm-eval's `hf` model on one export; returns {task: metrics} (+ raw samples if asked)."""
     from lm_eval import simple_evaluate
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--model {path}: not an HF export directory")
-    model_args = {"pretrained": path, "trust_remote_code": True, "dtype": dtype}
+    from megatron_lev.safe_load import hf_trust_remote_code
+
+    model_args = {"pretrained": path, "trust_remote_code": hf_trust_remote_code(path, trust_remote_code),
+                  "dtype": dtype}
     if max_length:
         model_args["max_length"] = max_length
     names = [t + LOCAL_SUFFIX if t in local else t for t in tasks]
@@ -232,6 +237,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto")
     parser.add_argument("--max-length", type=int, default=None, help="context length lm-eval uses")
     parser.add_argument("--log-samples", action="store_true", help="keep per-example results in the JSON")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the folders' own Python code even when it is not byte-identical to ours")
     parser.add_argument("--output-dir", help="where downstream.json / downstream.md go")
     parser.add_argument("--export-data", metavar="DIR", help="write the tasks' data as DIR/<task>.jsonl and exit")
     args = parser.parse_args(argv)
@@ -262,7 +269,8 @@ def main(argv=None) -> dict:
             name: {"path": os.path.abspath(path),
                    **evaluate_model(path, tasks, task_manager, local, batch_size=batch_size, device=args.device,
                                     dtype=args.dtype, num_fewshot=args.num_fewshot, limit=limit,
-                                    max_length=args.max_length, log_samples=args.log_samples)}
+                                    max_length=args.max_length, log_samples=args.log_samples,
+                                    trust_remote_code=args.trust_remote_code)}
             for name, path in models.items()
         }
     table = downstream_table(results, baseline)
@@ -276,4 +284,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as exc:  # refused folders, bad flags: one line
+        raise SystemExit(f"megatron_lev.evaluation.downstream: error: {exc}") from None

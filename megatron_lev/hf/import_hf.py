@@ -104,6 +104,7 @@ def _import_rank(rank: int, world: int, port: int, full_path: str, args: argpars
         from megatron_lev.convert import load_full_state_dict
         from megatron_lev.ds_config import build_deepspeed_config
         from megatron_lev.pipeline import pipeline_to_model_key
+        from megatron_lev.safe_load import safe_torch_load
         from megatron_lev.train import TrainState, build_engine, build_model_config
 
         parallel.init_distributed(backend="gloo")
@@ -112,7 +113,7 @@ def _import_rank(rank: int, world: int, port: int, full_path: str, args: argpars
         model_config = build_model_config(args)
         ds_config = build_deepspeed_config(args)
         engine = build_engine(args, model_config, ds_config)
-        full = torch.load(full_path, map_location="cpu", weights_only=True, mmap=True)
+        full = safe_torch_load(full_path, mmap=True)
         num_layers = model_config.num_layers
         to_model_key = ((lambda name: pipeline_to_model_key(name, num_layers))
                         if args.pipeline_model_parallel_size > 1 else (lambda name: name))
