@@ -31,6 +31,7 @@ shards of a tensor-parallel model is a concatenation along dim 0.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -227,6 +228,12 @@ class _SeparableModes(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_modes):
+        # float32 inside even when backward runs under autocast (bmm(out=) needs it).
+        with torch.autocast(grad_modes.device.type, enabled=False):
+            return _SeparableModes._backward(ctx, grad_modes)
+
+    @staticmethod
+    def _backward(ctx, grad_modes):
         x, coeffs, modes = ctx.saved_tensors
         kappa = coeffs.shape[2]
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
@@ -248,12 +255,40 @@ class _SeparableModes(torch.autograd.Function):
         return grad_x, grad_coeffs, None
 
 
-def separable_modes(x: torch.Tensor, coeffs: torch.Tensor, eps: float = 1e-9) -> torch.Tensor:
-    """x [n, h, d_s] in [0, 1], coeffs S = 1 + delta [h, d_s, kappa, r] -> modes [n, h, r].
+# Devices whose tensors take the fused kernels of lev_kernels.py (when Triton imports):
+# on CUDA they replace the per-head loop with one forward and one backward kernel. The
+# CPU keeps the dense-basis `bmm` path: it measured faster there than the 3-knot gather
+# form, and it is the one whose unique-vs-per-position bit-exactness is verified.
+FUSED_MODES_DEVICES = ("cuda",)
 
-    Always float32 inside, whatever the dtype of x and coeffs.
+
+@functools.lru_cache(maxsize=None)
+def _fused_kernels():
+    """megatron_lev.lev_kernels, or None without Triton (or outside the package, as in an
+    HF export, where this file is copied alone)."""
+    try:
+        from megatron_lev import lev_kernels
+    except ImportError:
+        return None
+    return lev_kernels
+
+
+def uses_fused_modes(device: torch.device) -> bool:
+    if device.type not in FUSED_MODES_DEVICES:
+        return False
+    kernels = _fused_kernels()
+    return kernels is not None and kernels.available(device)
+
+
+def separable_modes(x: torch.Tensor, delta: torch.Tensor, eps: float = 1e-9) -> torch.Tensor:
+    """x [n, h, d_s] in [0, 1], delta [h, d_s, kappa, r] (S = 1 + delta) -> modes [n, h, r].
+
+    Always float32 inside, whatever the dtype of x and delta, and under autocast.
     """
-    return _SeparableModes.apply(x.to(torch.float32), coeffs.to(torch.float32).contiguous(), eps)
+    with torch.autocast(x.device.type, enabled=False):
+        if uses_fused_modes(x.device):
+            return _fused_kernels().separable_modes(x, delta, eps)
+        return _SeparableModes.apply(x.to(torch.float32), 1.0 + delta.to(torch.float32), eps)
 
 
 def init_lev_parameters(config: LEVConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -284,7 +319,7 @@ def pad_to_row_block(ids: torch.Tensor) -> torch.Tensor:
     """ids [n] -> ids [ceil(n / ROW_BLOCK) * ROW_BLOCK] (at least one block), padded with id 0."""
     n = ids.numel()
     padded = max(ROW_BLOCK, -(-n // ROW_BLOCK) * ROW_BLOCK)
-    return ids if padded == n else torch.cat((ids, ids.new_zeros(padded - n)))
+    return ids if padded == n else F.pad(ids, (0, padded - n))
 
 
 def check_token_range(lowest: int, highest: int, vocab_size: int) -> None:
@@ -375,7 +410,7 @@ class LEVGenerator(torch.nn.Module):
         u = (z.to(f32) @ self.w_seed.to(f32).reshape(h * ds, ds).t()).view(-1, h, ds)
         u = F.layer_norm(u, (ds,), eps=cfg.layernorm_eps) * self.ln_gamma.to(f32) + self.ln_beta.to(f32)
         x = torch.sigmoid(0.5 * u)
-        modes = separable_modes(x, 1.0 + self.delta.to(f32), cfg.log_eps)  # [n, h, r]
+        modes = separable_modes(x, self.delta, cfg.log_eps)  # [n, h, r]
         return modes.reshape(-1, h * cfg.num_modes) @ self.w_out.to(f32).reshape(h * cfg.num_modes, -1)
 
     def forward(self, ids: torch.Tensor, seed_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
@@ -385,10 +420,13 @@ class LEVGenerator(torch.nn.Module):
         mapping). Going through forward, rather than calling seed/heads directly,
         keeps module hooks working (DeepSpeed ZeRO-3 gathers parameters in them).
         """
-        z = self.seed(pad_to_row_block(ids))
-        if seed_hook is not None:
-            z = seed_hook(z)
-        return self.heads(z)[: ids.numel()]
+        # Float32 inside, as the spec says, also under torch.autocast (which would run the
+        # seed and output matmuls in bf16).
+        with torch.autocast(ids.device.type, enabled=False):
+            z = self.seed(pad_to_row_block(ids))
+            if seed_hook is not None:
+                z = seed_hook(z)
+            return self.heads(z)[: ids.numel()]
 
     def embed(self, input_ids: torch.Tensor, unique: Optional[bool] = None) -> torch.Tensor:
         """input_ids [...] -> float32 [..., D] over this module's heads, range-checked; with

@@ -89,7 +89,12 @@ class ParallelLEVEmbedding(MegatronModule):
                 # copy-to-TP mapping already makes its gradient whole.
                 set_tensor_model_parallel_attributes(param, is_parallel=False, dim=-1, stride=1)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, lev_ids: Optional[torch.Tensor] = None,
+                lev_inverse: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`lev_ids` [n] and `lev_inverse` [b, s] (input_ids == lev_ids[lev_inverse]): the
+        distinct ids, range-checked by the data loader on CPU (datasets.collate_pretraining_batch),
+        so the step needs no `unique` and no host synchronisation. Without them the ids are
+        found here (one `unique` and one min/max read, which synchronise on CUDA)."""
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"LEV embedding expects int64/int32 token ids of shape [batch, seq], "
                              f"got {input_ids.dtype} {tuple(input_ids.shape)}")
@@ -102,7 +107,13 @@ class ParallelLEVEmbedding(MegatronModule):
                 raise ValueError(f"--sequence-parallel: sequence length {seq} must be divisible by "
                                  f"--tensor-model-parallel-size {self.tp_size}")
 
-        ids, inverse = ids_to_evaluate(input_ids, self.lev_config.vocab_size, self.lev_config.unique_ids)
+        if lev_ids is not None and self.lev_config.unique_ids:
+            if lev_inverse is None or lev_inverse.shape != input_ids.shape:
+                raise ValueError(f"lev_inverse must have the shape of input_ids {tuple(input_ids.shape)}, got "
+                                 f"{None if lev_inverse is None else tuple(lev_inverse.shape)}")
+            ids, inverse = lev_ids, lev_inverse
+        else:
+            ids, inverse = ids_to_evaluate(input_ids, self.lev_config.vocab_size, self.lev_config.unique_ids)
         # Every TP rank sees the same ids, hence the same distinct ids in the same order.
         seed_hook = self._copy_to_tensor_parallel if self.tp_size > 1 else None
         partial = self.generator(ids, seed_hook=seed_hook).to(self.params_dtype)  # [n, D], this rank's heads

@@ -55,8 +55,11 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, b
                     eps: float, offload: bool = False) -> torch.optim.Optimizer:
     """AdamW over `param_groups`. On GPU: DeepSpeed's CPU Adam under ZeRO-Offload, else
     DeepSpeed's (then apex's) fused Adam when they build/import, else torch's fused AdamW.
-    On CPU (no CUDA): torch's AdamW, offload or not (offloading to the CPU you already run
-    on gains nothing, and JIT-building DeepSpeed's CPU Adam takes minutes there).
+    On CPU (no CUDA): torch's fused AdamW, offload or not (offloading to the CPU you already
+    run on gains nothing, and JIT-building DeepSpeed's CPU Adam takes minutes there). The
+    fused CPU kernel steps DeepSpeed's flat fp32 partitions in one vectorised pass; the
+    unfused one allocated several partition-sized temporaries per step (about 10x slower
+    at 125M).
 
     `param_names` is stripped before construction (optimizers keep unknown group keys,
     but DeepSpeed's fused kernels and checkpoints do not need them).
@@ -70,9 +73,8 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, b
                 return make(groups, kwargs)
             except Exception:  # op not buildable / package missing: next candidate
                 continue
-        if not offload:
-            return torch.optim.AdamW(groups, fused=True, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+    # torch's fused kernel exists for CUDA and CPU tensors alike (offloaded partitions too).
+    return torch.optim.AdamW(groups, fused=True, **kwargs)
 
 
 def _deepspeed_cpu_adam(groups, kwargs):

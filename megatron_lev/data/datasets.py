@@ -25,6 +25,7 @@ exactly that sample.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from typing import Callable, Sequence
@@ -251,18 +252,35 @@ class PretrainingSampler:
             yield list(batch[start:end])
 
 
-def collate_pretraining_batch(samples: list[dict]) -> dict[str, torch.Tensor]:
+def collate_pretraining_batch(samples: list[dict], lev_vocab_size: int | None = None) -> dict[str, torch.Tensor]:
     """Stack samples into [micro, seq] tensors: tokens, labels, loss_mask, position_ids
-    (and attention_mask when the datasets build one). Blend bookkeeping is dropped."""
+    (and attention_mask when the datasets build one). Blend bookkeeping is dropped.
+
+    With `lev_vocab_size` (LEV models) also `lev_ids` [n], the distinct token ids sorted,
+    and `lev_inverse` [micro, seq] with tokens == lev_ids[lev_inverse], range-checked
+    here on CPU so the training step needs no `unique` and no host synchronisation
+    (lev_parallel.ParallelLEVEmbedding). n = lev_ids.numel() is the distinct-id count.
+    """
     keys = BATCH_KEYS + (("attention_mask",) if "attention_mask" in samples[0] else ())
-    return {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in keys}
+    batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in keys}
+    if lev_vocab_size is not None:
+        from megatron_lev.lev import ids_to_evaluate
+
+        try:
+            batch["lev_ids"], batch["lev_inverse"] = ids_to_evaluate(batch["tokens"], lev_vocab_size, unique=True)
+        except ValueError as exc:
+            raise ValueError(f"training data: {exc}: the data was tokenised with a larger vocabulary "
+                             "than the model's") from None
+    return batch
 
 
 def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
-                                  data_parallel_size: int, num_workers: int = 0, drop_last: bool = True):
+                                  data_parallel_size: int, num_workers: int = 0, drop_last: bool = True,
+                                  lev_vocab_size: int | None = None):
     """A DataLoader over this DP rank's share of `dataset`, from `consumed_samples` on.
 
-    Batches are dicts of [micro_batch_size, seq] tensors (see collate_pretraining_batch).
+    Batches are dicts of [micro_batch_size, seq] tensors (see collate_pretraining_batch;
+    `lev_vocab_size` adds LEV's distinct ids).
     Returns None for a None dataset (a split with no data).
     """
     if dataset is None:
@@ -270,5 +288,6 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
                                  data_parallel_size, drop_last)
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_pretraining_batch,
+        dataset, batch_sampler=sampler, num_workers=num_workers,
+        collate_fn=functools.partial(collate_pretraining_batch, lev_vocab_size=lev_vocab_size),
         pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0)
