@@ -63,7 +63,10 @@ class SentencePieceTokenizer(_PretrainingTokenizer):
         import sentencepiece
 
         super().__init__(path)
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        except (RuntimeError, OSError) as exc:  # a damaged or foreign file: SentencePiece's own words
+            raise ValueError(f"--tokenizer-model {path}: not a valid SentencePiece model ({_first_line(exc)})") from None
         if self._sp.eos_id() < 0:
             raise ValueError(f"--tokenizer-model {path}: the SentencePiece model has no eos piece, "
                              "which pre-training needs as the end-of-document token")
@@ -95,8 +98,9 @@ class SentencePieceTokenizer(_PretrainingTokenizer):
     def tokenize(self, text: str) -> list[int]:
         return self._sp.encode(text, out_type=int)
 
-    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return self._sp.encode(list(texts), out_type=int)
+    def tokenize_batch(self, texts: Sequence[str], num_threads: int = -1) -> list[list[int]]:
+        """Many texts in one call, in SentencePiece's C++ threads (-1: one per core)."""
+        return self._sp.encode(list(texts), out_type=int, num_threads=num_threads)
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
@@ -125,7 +129,10 @@ class HuggingFaceTokenizer(_PretrainingTokenizer):
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
             raise FileNotFoundError(f"--tokenizer-model {path}: no tokenizer.json there")
-        self._tok = Tokenizer.from_file(file)
+        try:
+            self._tok = Tokenizer.from_file(file)
+        except Exception as exc:  # tokenizers raises a bare Exception for a damaged file
+            raise ValueError(f"--tokenizer-model {file}: not a valid tokenizer.json ({_first_line(exc)})") from None
         declared = _hf_declared_special_tokens(folder)
         self._eod = self._special_id(eod_token or declared.get("eos_token"), _HF_EOD_NAMES)
         if self._eod is None:
@@ -170,7 +177,9 @@ class HuggingFaceTokenizer(_PretrainingTokenizer):
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    def tokenize_batch(self, texts: Sequence[str], num_threads: int = -1) -> list[list[int]]:
+        """Many texts in one call (threads: the tokenizers library's own pool, which
+        TOKENIZERS_PARALLELISM governs; `num_threads` is accepted for a common interface)."""
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
     def detokenize(self, ids: Iterable[int]) -> str:
@@ -184,8 +193,13 @@ def _hf_declared_special_tokens(folder: str) -> dict[str, str]:
         file = os.path.join(folder, name)
         if not os.path.isfile(file):
             continue
-        with open(file, encoding="utf-8") as f:
-            config = json.load(f)
+        try:
+            with open(file, encoding="utf-8") as f:
+                config = json.load(f)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ValueError(f"{file}: not valid JSON ({_first_line(exc)})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{file}: not a JSON object")
         for key in ("eos_token", "bos_token", "pad_token"):
             value = config.get(key)
             if isinstance(value, dict):
@@ -193,6 +207,11 @@ def _hf_declared_special_tokens(folder: str) -> dict[str, str]:
             if isinstance(value, str):
                 found.setdefault(key, value)
     return found
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 TOKENIZER_TYPES = {

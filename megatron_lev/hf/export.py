@@ -368,7 +368,19 @@ def _prepare_output(output: str) -> str:
     return tmp
 
 
+def set_release_modes(folder: str) -> None:
+    """Files 0644, folders 0755, whatever the umask (safetensors writes 0600, mkdtemp 0700):
+    released models are read by teammates on shared filesystems."""
+    os.chmod(folder, 0o755)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
+
+
 def _finish_output(tmp: str, output: str) -> None:
+    set_release_modes(tmp)
     if os.path.isdir(output):
         os.rmdir(output)  # empty (checked by _prepare_output)
     os.replace(tmp, output)

@@ -30,7 +30,8 @@ from typing import Optional
 import torch
 import yaml
 
-from megatron_lev.hf.export import ExportError, check_hf_tokenizer, infer_tokenizer_type, read_hf_model
+from megatron_lev.hf.export import (ExportError, check_hf_tokenizer, infer_tokenizer_type, read_hf_model,
+                                    set_release_modes)
 
 # Fields a training YAML may set differently from the Hugging Face config without changing
 # the weights' meaning (initialisation seed, dropout).
@@ -182,6 +183,7 @@ def import_hf_model(hf_dir: str, save_dir: str, tensor_model_parallel_size: int 
             if errors or any(p.exitcode != 0 for p in procs):
                 raise RuntimeError("import failed:\n" + (errors[0] if errors else
                                    f"exit codes {[p.exitcode for p in procs]}"))
+        set_release_modes(tmp_save)
         if os.path.isdir(save_dir):
             os.rmdir(save_dir)
         os.replace(tmp_save, save_dir)
