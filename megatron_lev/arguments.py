@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 import yaml
@@ -289,6 +290,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.metrics_file is None:
         base = args.save or args.tensorboard_dir
         args.metrics_file = f"{base}/metrics.jsonl" if base else None
+    if args.data_cache_path is None and args.save:
+        # The checkpoint folder is one every node sees and can write, unlike a data folder
+        # (read-only, or a node-local copy): rank 0 builds the index cache there, all read it.
+        args.data_cache_path = os.path.join(args.save, "data_cache")
     return args
 
 

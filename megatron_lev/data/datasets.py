@@ -25,6 +25,7 @@ exactly that sample.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import functools
 import json
 import os
@@ -127,10 +128,10 @@ def build_train_valid_test_datasets(
 
     Either `data_path` (one blend, divided by `split`, e.g. "969,30,1") or per-split
     paths. `*_samples` are the numbers of samples each split must provide (None: one
-    epoch). `cache_dir` holds the shuffled index files (megatron-core's default, without
-    it, is a `cache/` folder under each prefix). With `reset_attention_mask` samples also
-    carry a per-document `attention_mask` ([1, seq, seq], True = masked); otherwise none
-    is built: the model is causal.
+    epoch). The shuffled index files go to a folder under `cache_dir` keyed on the data
+    files (`index_cache_dir`); without `cache_dir`, under `default_cache_root`. With
+    `reset_attention_mask` samples also carry a per-document `attention_mask`
+    ([1, seq, seq], True = masked); otherwise none is built: the model is causal.
 
     Must be called on every rank when torch.distributed is initialised: rank 0 builds and
     caches the indices, then the others load them. `is_built_on_rank` (default: every
@@ -149,6 +150,8 @@ def build_train_valid_test_datasets(
         blend, split = None, None
         blend_per_split = [parse_blend(paths, flag) for paths, flag in zip(
             per_split, ("--train-data-path", "--valid-data-path", "--test-data-path"))]
+    prefixes = [p for b in ([blend] if blend else blend_per_split) if b for p in b[0]]
+    cache_dir = index_cache_dir(cache_dir or default_cache_root(prefixes), prefixes)
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
@@ -177,6 +180,35 @@ def build_train_valid_test_datasets(
     with _rank_zero_when_not_distributed():
         train, valid, test = builder.build()
     return train, valid, test
+
+
+def default_cache_root(prefixes: Sequence[str]) -> str:
+    """Where the index cache goes without --data-cache-path (the trainer defaults it to
+    `<--save>/data_cache`, a folder every node sees): a `cache/` folder beside the first
+    dataset, else, when that folder is read-only, the user's cache folder."""
+    data_dir = os.path.dirname(os.path.abspath(prefixes[0]))
+    if os.access(data_dir, os.W_OK):
+        return os.path.join(data_dir, "cache")
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "megatron_lev",
+                        "index_cache")
+
+
+def index_cache_dir(cache_root: str, prefixes: Sequence[str]) -> str:
+    """The folder under `cache_root` for these datasets' shuffled indices, named after a
+    hash of each prefix's .idx and .bin (path, size, modification time): megatron-core's
+    own file names hash only paths and settings, so a prefix preprocessed again in place
+    would silently reuse indices of the old data; here it gets a new folder. The name is
+    rank 0's, broadcast, so nodes that read their own copies of the data (other
+    modification times) share the cache rank 0 builds."""
+    digest = hashlib.sha256()
+    for prefix in sorted(set(prefixes)):
+        for path in (get_idx_path(prefix), get_bin_path(prefix)):
+            stat = os.stat(path)
+            digest.update(f"{os.path.abspath(path)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    name = [f"indices-{digest.hexdigest()[:16]}"]
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.broadcast_object_list(name, src=0)
+    return os.path.join(cache_root, name[0])
 
 
 def _check_splits_have_documents(prefixes, split_matrix, sizes, split: str) -> None:
