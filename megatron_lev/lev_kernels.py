@@ -22,8 +22,8 @@ for bit within this path; it is not bit-identical to lev.py's CPU path (which su
 
 This module imports Triton; lev.py imports it only on first use and only when Triton is
 installed (lev.py itself stays torch-only for the HF export). On CPU tensors the kernels
-run under Triton's interpreter when TRITON_INTERPRET=1 was set before this module was
-imported, which is how CI tests them.
+run under Triton's interpreter when TRITON_INTERPRET=1 is set before their first launch,
+which is how CI tests them.
 """
 from __future__ import annotations
 
@@ -34,18 +34,18 @@ import triton
 import triton.language as tl
 
 BLOCK_ROWS = 32  # rows per program in the forward and per loop step in the backward
-# triton.jit picks the interpreter when it decorates, i.e. at import.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def available(device: torch.device | str) -> bool:
     """True when the kernels can run on tensors of `device`: CUDA, or CPU under Triton's
-    interpreter (TRITON_INTERPRET=1 when this module was imported)."""
+    interpreter (TRITON_INTERPRET=1)."""
     kind = torch.device(device).type
-    return kind == "cuda" or (kind == "cpu" and INTERPRETED)
+    return kind == "cuda" or (kind == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
-@triton.jit
+# The kernels are plain functions here and pass through `triton.jit` on first launch
+# (`_jit`): triton.jit reads TRITON_INTERPRET when it decorates, so a test can set it
+# after this module was imported. Kernel bodies find each other as module globals.
 def _basis(x, KAPPA: tl.constexpr):
     """Nearest knot c, the normalised weights of knots (c-1, c, c+1) and their x-derivatives."""
     scaled = x * (KAPPA - 1)
@@ -66,7 +66,6 @@ def _basis(x, KAPPA: tl.constexpr):
     c = center.to(tl.int32)
     return c, w0, w1, w2, dw0, dw1, dw2
 
-@triton.jit
 def modes_forward(x_ptr, delta_ptr, modes_ptr, n, eps, H: tl.constexpr, DS: tl.constexpr,
                   KAPPA: tl.constexpr, R: tl.constexpr, R_P2: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -89,7 +88,6 @@ def modes_forward(x_ptr, delta_ptr, modes_ptr, n, eps, H: tl.constexpr, DS: tl.c
     sign = 1.0 - 2.0 * (negatives % 2).to(tl.float32)
     tl.store(modes_ptr + (rows[:, None] * H + head) * R + q[None, :], sign * tl.exp(log_sum), mask=mask)
 
-@triton.jit
 def modes_backward(x_ptr, delta_ptr, gm_ptr, grad_x_ptr, grad_delta_ptr, n, eps, H: tl.constexpr,
                    DS: tl.constexpr, KAPPA: tl.constexpr, KAPPA_P2: tl.constexpr, R: tl.constexpr,
                    R_P2: tl.constexpr, BLOCK: tl.constexpr):
@@ -126,6 +124,16 @@ def modes_backward(x_ptr, delta_ptr, gm_ptr, grad_x_ptr, grad_delta_ptr, n, eps,
     tl.store(out, grad_table, mask=(knots < KAPPA)[:, None] & (q < R)[None, :])
 
 
+_JIT_DONE = []
+
+
+def _jit():
+    if not _JIT_DONE:
+        for name in ("_basis", "modes_forward", "modes_backward"):
+            globals()[name] = triton.jit(globals()[name])
+        _JIT_DONE.append(True)
+
+
 def _p2(value: int) -> int:
     """Next power of two, at least 16 (`tl.arange` sizes; `tl.dot`'s minimum)."""
     return max(16, 1 << (value - 1).bit_length())
@@ -137,6 +145,7 @@ def modes_forward_op(x: torch.Tensor, delta: torch.Tensor, eps: float) -> torch.
     n, h, ds = x.shape
     kappa, r = delta.shape[2], delta.shape[3]
     modes = torch.empty(n, h, r, dtype=torch.float32, device=x.device)
+    _jit()
     if n:
         modes_forward[(triton.cdiv(n, BLOCK_ROWS), h)](
             x, delta, modes, n, eps, H=h, DS=ds, KAPPA=kappa, R=r, R_P2=_p2(r), BLOCK=BLOCK_ROWS)
@@ -151,6 +160,7 @@ def modes_backward_op(x: torch.Tensor, delta: torch.Tensor, grad_times_modes: to
     kappa, r = delta.shape[2], delta.shape[3]
     grad_x = torch.empty_like(x)
     grad_delta = torch.empty_like(delta)
+    _jit()
     modes_backward[(h * ds,)](
         x, delta, grad_times_modes, grad_x, grad_delta, n, eps, H=h, DS=ds, KAPPA=kappa,
         KAPPA_P2=_p2(kappa), R=r, R_P2=_p2(r), BLOCK=BLOCK_ROWS)
