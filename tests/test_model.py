@@ -208,13 +208,14 @@ def test_packaged_configs_are_valid_and_share_their_backbone():
     from megatron_lev.configs import available_configs
 
     names = available_configs()
-    for size in ("tiny", "demo", "200m", "400m", "800m", "1.2b"):
+    for size in ("tiny", "demo", "200m", "400m", "800m", "1.2b", "200m-200k", "400m-200k", "800m-200k", "1.2b-200k"):
         prefix = lambda kind: f"{size}-{kind}" if size in ("tiny", "demo") else f"{kind}-{size}"  # noqa: E731
         lev = load_config(prefix("lev"))
         for kind in ("tied", "untied"):
             other = load_config(prefix(kind))
             assert other["model"] == {**lev["model"], "embedding": kind} and other["training"] == lev["training"]
-        names = [n for n in names if n not in {prefix(k) for k in ("lev", "tied", "untied")}]
+        # lev-X-200k-iso: the planner's depth (test_papers_vocabulary_family_overhead_and_isoparametric_depths)
+        names = [n for n in names if n not in {*(prefix(k) for k in ("lev", "tied", "untied")), prefix("lev") + "-iso"}]
         config = model_config_from_dict(lev["model"])
         assert config.embedding == "lev"
         # to_dict() (what checkpoints and exports store) rebuilds the same config.
@@ -223,6 +224,34 @@ def test_packaged_configs_are_valid_and_share_their_backbone():
                 "lr_decay_style", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2",
                 "bf16"} <= set(lev["training"])
     assert names == [], f"configs not covered: {names}"
+
+
+def test_papers_vocabulary_family_overhead_and_isoparametric_depths():
+    """The family at the papers' 200,064-entry vocabulary: LEV digits are base 59 x 3, LEV costs
+    0.15-0.5% over tied (the papers: ~0.2%), and lev-X-200k-iso is exactly the planner's
+    isoparametric LEV for untied-X-200k (within 1%), saving the table's V x D over untied."""
+    from megatron_lev.lev import smallest_base
+    from megatron_lev.model import count_parameters
+    from megatron_lev.param_count import compare_embeddings, plan_isoparametric
+
+    overheads = {}
+    for size in ("200m", "400m", "800m", "1.2b"):
+        lev = load_config(f"lev-{size}-200k")
+        assert lev["model"] == {**load_config(f"lev-{size}")["model"], "vocab_size": 200064}
+        assert lev["training"] == load_config(f"lev-{size}")["training"]
+        assert smallest_base(200064, lev["model"]["lev"]["num_coordinates"]) == 59
+        totals = compare_embeddings(lev["model"])
+        overheads[size] = totals["lev"] / totals["tied"] - 1
+        hidden = lev["model"]["hidden_size"]
+        assert totals["untied"] - totals["tied"] == 200064 * hidden  # the input table
+        iso = load_config(f"lev-{size}-200k-iso")
+        plan = plan_isoparametric(load_config(f"untied-{size}-200k")["model"], lev["model"]["lev"])
+        assert iso["model"] == plan["model"] and iso["training"] == lev["training"]
+        iso_total = count_parameters(model_config_from_dict(iso["model"]))["total"]
+        assert iso_total == plan["total"] and abs(iso_total / totals["untied"] - 1) <= 0.01
+        assert iso["model"]["num_layers"] > lev["model"]["num_layers"]
+    assert overheads["1.2b"] == pytest.approx(0.00146, abs=5e-5)  # 2,252,928 / 1,540,188,160
+    assert all(0.001 < o < 0.005 for o in overheads.values()), overheads
 
 
 # --------------------------------------------------------------------------- bad configs
