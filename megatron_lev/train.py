@@ -26,6 +26,7 @@ configuration (nothing was built).
 """
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import resource
@@ -39,11 +40,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_lev import checkpointing, parallel
-from megatron_lev.arguments import ConfigError, effective_config, format_config, parse_args, validate_args
+from megatron_lev.arguments import (ConfigError, effective_config, format_config, parse_args, summarize_config,
+                                    validate_args)
 from megatron_lev.ds_config import build_deepspeed_config, offloads_optimizer
 from megatron_lev.flops import FlopsModel, peak_flops_per_device, training_flops
 from megatron_lev.metrics import MetricsWriter
-from megatron_lev.optim import build_lr_scheduler, build_optimizer
+from megatron_lev.optim import build_lr_scheduler, build_optimizer, schedule_mismatch
 from megatron_lev.safe_load import CheckpointLoadError
 
 EXIT_OK, EXIT_SKIPPED_STEPS, EXIT_CONFIG = 0, 1, 2
@@ -91,7 +93,7 @@ def build_model_config(args):
     return model_config_from_dict(
         args.model, tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, bf16=bool(args.bf16),
-        sequence_parallel=bool(args.sequence_parallel), recompute=bool(args.recompute_activations), **overrides)
+        sequence_parallel=bool(args.sequence_parallel), recompute=args.recompute, **overrides)
 
 
 DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
@@ -133,6 +135,20 @@ def flops_model(model_config, seq_length: int) -> FlopsModel:
         padded_vocab_size=model_config.padded_vocab_size, seq_length=seq_length,
         lev_heads=lev.num_heads if lev else None, lev_seed_dim=lev.seed_dim if lev else None,
         lev_knots=lev.num_knots if lev else None, lev_modes=lev.num_modes if lev else None)
+
+
+def check_resume_schedule(args, saved: dict, config: dict) -> None:
+    """Megatron's rule: resuming with another LR/WD schedule (a longer --train-iters, a new
+    --lr, ...) is refused unless --override-opt_param-scheduler (use the flags) or
+    --use-checkpoint-opt_param-scheduler (keep the checkpoint's) says which one wins.
+    Weights-only loads (--no-load-optim) start a fresh schedule."""
+    if args.no_load_optim or args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
+        return
+    changed = schedule_mismatch(saved.get("training", {}), config["training"])
+    if changed:
+        raise ConfigError(f"--load {args.load}: the LR schedule differs from the checkpoint's ({'; '.join(changed)}; "
+                          f"in samples): add --override-opt_param-scheduler to use the new one or "
+                          f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
 
 
 # --------------------------------------------------------------------------- model and engine
@@ -177,8 +193,7 @@ def build_engine(args, model_config, ds_config: dict):
         ds_config["zero_force_ds_cpu_optimizer"] = False  # the CPU Adam op could not be built here
 
     def scheduler(opt):
-        return build_lr_scheduler(opt, lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
-                                  decay_iters=args.lr_decay_iters, style=args.lr_decay_style)
+        return build_lr_scheduler(opt, args)
 
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, mpu=mpu)
@@ -196,7 +211,10 @@ def build_datasets(args, tokenizer):
         data_path=args.data_path, train_data_path=args.train_data_path, valid_data_path=args.valid_data_path,
         test_data_path=args.test_data_path, split=args.split, seq_length=args.seq_length, seed=args.seed,
         train_samples=args.train_iters * args.global_batch_size, valid_samples=samples, test_samples=samples,
-        tokenizer=tokenizer, cache_dir=args.data_cache_path)
+        tokenizer=tokenizer, cache_dir=args.data_cache_path,
+        # Older checkpoints' configs (demo/evaluate rebuild datasets from them) lack these keys.
+        eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
+        reset_position_ids=bool(getattr(args, "reset_position_ids", False)))
 
 
 def micro_batches(dataset, consumed_samples: int, args, device,
@@ -317,7 +335,8 @@ class Trainer:
 
         self.metrics = MetricsWriter(
             active=self.rank == 0, jsonl_path=args.metrics_file, tensorboard_dir=args.tensorboard_dir,
-            wandb_project=args.wandb_project, wandb_name=args.wandb_exp_name, wandb_dir=args.wandb_save_dir,
+            wandb_project=args.wandb_project, wandb_name=args.wandb_exp_name,
+            wandb_dir=args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None),
             config=config, resume_iteration=self.state.iteration)
 
     # ------------------------------------------------------------------ one step
@@ -390,8 +409,10 @@ class Trainer:
                   "consumed_tokens": self.state.consumed_tokens, f"{name}_loss": loss,
                   f"{name}_ppl": math.exp(min(loss, 50.0))}
         self.metrics.write(record, self.state.iteration)
-        parallel.print_rank_0(f" {name} | iteration {self.state.iteration:8d} | loss {loss:.6f} | "
-                              f"ppl {record[f'{name}_ppl']:.3f}")
+        # Megatron's validation block.
+        line = (f" {'validation' if name == 'valid' else name} loss at iteration {self.state.iteration} | "
+                f"lm loss value: {loss:.6E} | lm loss PPL: {math.exp(min(20.0, loss)):.6E} | ")
+        parallel.print_rank_0("-" * (len(line) + 1) + "\n" + line + "\n" + "-" * (len(line) + 1))
         return loss
 
     # ------------------------------------------------------------------ checkpoints
@@ -422,6 +443,7 @@ class Trainer:
             "iteration": st.iteration,
             "consumed_samples": st.consumed_samples,
             "consumed_tokens": st.consumed_tokens,
+            "global_batch_size": args.global_batch_size,
             "loss": stats.loss_sum / stats.loss_count if stats.loss_count else float("nan"),
             "lr": lr,
             "grad_norm": grad_norm,
@@ -435,13 +457,7 @@ class Trainer:
         }
         self.metrics.write(record, st.iteration)
         if self.rank == 0:
-            mfu = f" | MFU {100 * record['mfu']:.1f}%" if record["mfu"] is not None else ""
-            gn = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
-            print(f" iteration {st.iteration:8d}/{args.train_iters} | tokens {st.consumed_tokens:.4g} | "
-                  f"loss {record['loss']:.6f} | lr {record['lr']:.3e} | grad norm {gn} | "
-                  f"{1000 * record['step_time_s']:.1f} ms/step | {record['tokens_per_s']:.1f} tokens/s | "
-                  f"{tflops_per_device:.3f} TFLOP/s/device{mfu} | mem {record['memory_gb']:.2f} GB | "
-                  f"skipped {st.skipped_steps}", flush=True)
+            print(megatron_log_line(record, args, stats), flush=True)
 
     # ------------------------------------------------------------------ the loop
 
@@ -517,6 +533,27 @@ class Trainer:
         return EXIT_OK
 
 
+def megatron_log_line(record: dict, args, stats: IntervalStats) -> str:
+    """Megatron-LM's iteration line (its fields, words and number formats), then ours:
+    tokens per second, peak memory, and the ETA of the run at this interval's speed."""
+    eta = datetime.timedelta(seconds=round((args.train_iters - record["iteration"]) * record["step_time_s"]))
+    line = (f" [{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] iteration {record['iteration']:8d}/"
+            f"{args.train_iters:8d} | consumed samples: {record['consumed_samples']:12d} | "
+            f"elapsed time per iteration (ms): {1000 * record['step_time_s']:.1f} |")
+    if args.log_throughput:
+        line += f" throughput per GPU (TFLOP/s/GPU): {record['tflops_per_device']:.1f} |"
+        if record["mfu"] is not None:
+            line += f" MFU: {100 * record['mfu']:.1f}% |"
+    line += (f" learning rate: {record['lr']:.6E} | global batch size: {args.global_batch_size:5d} |"
+             f" lm loss: {record['loss']:.6E} |")
+    if record["grad_norm"] is not None:
+        line += f" grad norm: {record['grad_norm']:.3f} |"
+    nan = stats.skipped  # a skipped step is one whose loss or gradient norm was not finite
+    return line + (f" number of skipped iterations: {stats.skipped:3d} | number of nan iterations: {nan:3d} |"
+                   f" tokens per second: {record['tokens_per_s']:.1f} | mem: {record['memory_gb']:.2f} GB |"
+                   f" ETA: {eta} |")
+
+
 def _memory_gb() -> float:
     if torch.cuda.is_available():
         peak = torch.cuda.max_memory_allocated() / 2**30
@@ -550,19 +587,22 @@ def main(argv=None) -> int:
             tag = checkpointing.find_latest(args.load)
             if tag is not None:
                 checkpointing.check_resume_compatible(args.load, tag, config)
+                check_resume_schedule(args, checkpointing.read_checkpoint_config(args.load, tag), config)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         return fail(str(exc), launch.rank)
 
     owns_process_group = not dist.is_initialized()
-    parallel.init_distributed()
+    parallel.init_distributed(timeout_minutes=args.distributed_timeout_minutes)
     parallel.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     exit_handler = None
     try:
         parallel.set_seed(args.seed)
         if parallel.is_rank_0():
-            print("effective configuration:\n" + format_config(config), flush=True)
-            if args.save:
+            if args.save:  # the full configuration goes to the run folder, a summary to stdout
                 checkpointing.write_run_config(args.save, config)
+                print(summarize_config(config, os.path.join(args.save, "config.yaml")), flush=True)
+            else:
+                print("effective configuration:\n" + format_config(config), flush=True)
         try:  # before the model: a split without documents is a configuration error too
             datasets = build_datasets(args, tokenizer)
         except (ValueError, FileNotFoundError) as exc:

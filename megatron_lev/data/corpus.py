@@ -42,7 +42,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import zstandard
 
 from megatron_lev.data import python_text
-from megatron_lev.data.python_text import DEFAULT_PYTHON_SOURCES, PYTHON_SOURCES, check_sources
+from megatron_lev.data.python_text import DEFAULT_PYTHON_SOURCES, DOCUMENT_ORDERS, PYTHON_SOURCES, check_sources
 
 # Suffixes read as JSON lines. Megatron's own examples call loose-JSON-lines files ".json".
 INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.zst", ".json.zst", ".jsonl.gz", ".json.gz")
@@ -376,7 +376,7 @@ def write_jsonl(path: str, records: Iterable[dict], level: int = 3) -> int:
 
 
 def python_corpus_records(sources: Sequence[str] = DEFAULT_PYTHON_SOURCES, max_documents: int | None = None,
-                          min_chars: int = 32) -> Iterator[dict]:
+                          min_chars: int = 32, order: str = "source") -> Iterator[dict]:
     """Pile-format records ({"text", "meta": {"pile_set_name"}}) of Python's own text.
 
     The documents come from `python_text.py` run in a fresh interpreter (-I -S): the same
@@ -384,7 +384,8 @@ def python_corpus_records(sources: Sequence[str] = DEFAULT_PYTHON_SOURCES, max_d
     """
     check_sources(sources)
     script = python_text.__file__
-    cmd = [sys.executable, "-I", "-S", script, "--sources", *sources, "--min-chars", str(min_chars)]
+    cmd = [sys.executable, "-I", "-S", script, "--sources", *sources, "--min-chars", str(min_chars),
+           "--order", order]
     with tempfile.TemporaryFile() as errors, \
             subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors) as proc:
         count, finished = 0, False
@@ -408,7 +409,8 @@ def python_corpus_records(sources: Sequence[str] = DEFAULT_PYTHON_SOURCES, max_d
 
 
 def build_python_corpus(out_path: str, max_documents: int | None = None,
-                        sources: Sequence[str] = DEFAULT_PYTHON_SOURCES, min_chars: int = 32) -> int:
+                        sources: Sequence[str] = DEFAULT_PYTHON_SOURCES, min_chars: int = 32,
+                        order: str = "source") -> int:
     """Write Python's own text as a Pile-format corpus (`.jsonl.zst`, `.jsonl.gz` or `.jsonl`).
 
     Sources, in this order: "pydoc_topics" (the language reference topics behind `help()`),
@@ -416,9 +418,11 @@ def build_python_corpus(out_path: str, max_documents: int | None = None,
     methods; modules that fail to import or have import side effects are skipped) and,
     when asked for, "stdlib_source" (the standard library's .py files). Each record's
     meta.pile_set_name names its source. Output is identical run to run on one Python
-    install. Returns the number of documents.
+    install. `order="hashed"` sorts the documents by a hash of their text (python_text.py:
+    every contiguous train/valid/test range then mixes the sources). Returns the number of
+    documents.
     """
-    return write_jsonl(out_path, python_corpus_records(sources, max_documents, min_chars))
+    return write_jsonl(out_path, python_corpus_records(sources, max_documents, min_chars, order))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -427,8 +431,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-documents", type=int, default=None)
     parser.add_argument("--sources", nargs="+", default=list(DEFAULT_PYTHON_SOURCES), choices=PYTHON_SOURCES)
     parser.add_argument("--min-chars", type=int, default=32)
+    parser.add_argument("--order", default="source", choices=DOCUMENT_ORDERS,
+                        help="'hashed': documents sorted by a hash of their text, so a contiguous "
+                             "--split range mixes the sources")
     args = parser.parse_args(argv)
-    count = build_python_corpus(args.output, args.max_documents, args.sources, args.min_chars)
+    count = build_python_corpus(args.output, args.max_documents, args.sources, args.min_chars, args.order)
     print(f"wrote {count} documents to {args.output}")
 
 

@@ -11,9 +11,15 @@ Sources, in order:
   pydoc_topics       the language reference topics behind `help()` (pydoc_data.topics)
   stdlib_docstrings  docstrings of standard-library modules, classes, functions, methods
   stdlib_source      the standard library's .py files (opt-in)
+
+`--order hashed` emits the same documents sorted by a hash of their text instead of by
+source: Megatron splits a dataset into train/valid/test by contiguous document ranges,
+so in source order the validation split would be the last standard-library files alone;
+hashed order mixes prose and code into every split, deterministically.
 """
 import argparse
 import contextlib
+import hashlib
 import importlib
 import inspect
 import io
@@ -26,6 +32,7 @@ import warnings
 
 PYTHON_SOURCES = ("pydoc_topics", "stdlib_docstrings", "stdlib_source")
 DEFAULT_PYTHON_SOURCES = ("pydoc_topics", "stdlib_docstrings")
+DOCUMENT_ORDERS = ("source", "hashed")
 
 # Modules whose import has side effects (opens a browser, prints, touches the terminal,
 # needs a display) or that are platform stubs, tests, or deprecated shims.
@@ -155,13 +162,23 @@ def python_documents(sources=DEFAULT_PYTHON_SOURCES, min_chars=32):
                     yield "stdlib_source", text
 
 
+def ordered_documents(documents, order="source"):
+    """`documents` as they come ("source"), or sorted by the SHA-1 of their text ("hashed")."""
+    if order == "source":
+        return documents
+    if order == "hashed":
+        return sorted(documents, key=lambda doc: hashlib.sha1(doc[1].encode("utf-8")).digest())
+    raise ValueError(f"unknown document order {order!r}; choose from {DOCUMENT_ORDERS}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sources", nargs="+", default=list(DEFAULT_PYTHON_SOURCES), choices=PYTHON_SOURCES)
     parser.add_argument("--min-chars", type=int, default=32)
+    parser.add_argument("--order", default="source", choices=DOCUMENT_ORDERS)
     args = parser.parse_args()
     out = io.TextIOWrapper(sys.stdout.buffer, encoding="utf-8", newline="\n", write_through=False)
-    for subset, text in python_documents(args.sources, args.min_chars):
+    for subset, text in ordered_documents(python_documents(args.sources, args.min_chars), args.order):
         out.write(json.dumps([subset, text], ensure_ascii=False) + "\n")
     out.flush()
 

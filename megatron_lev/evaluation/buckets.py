@@ -1,7 +1,7 @@
 """Frequency buckets over the vocabulary, and per-bucket NLL / perplexity.
 
 A bucketing assigns every token type `t in [0, V)` to exactly one bucket, from
-its training-corpus count `counts[t]`. Bucket 0 is always the rarest. Two schemes:
+its training-corpus count `counts[t]`. Bucket 0 is always the rarest. Three schemes:
 
 * `log_buckets(counts, base=10)` -- by order of magnitude of the count. Bucket 0
   holds the types never seen in training (count 0); bucket j >= 1 holds the types
@@ -20,10 +20,18 @@ its training-corpus count `counts[t]`. Bucket 0 is always the rarest. Two scheme
   rarest seen ones. A single count level heavier than 1/n of the corpus can leave
   the bucket after it empty; empty buckets are reported, not dropped.
 
-Per-bucket NLL is stratified by the *predicted* token: the NLL of predicting
-`labels[i]` counts towards the bucket of `labels[i]`. Summing bucket NLL sums
-gives the overall NLL sum, so the token-weighted mean of bucket NLLs is the
-overall mean NLL exactly.
+* `type_buckets(counts, num_buckets=5)` -- by number of types: the same rule with
+  every type weighing 1 instead of its count. `below(c)` is the number of types
+  rarer than `c`, a type goes to bucket `min(n-1, floor(n * below(c) / V))`, so
+  each bucket holds about V/n types (ties never straddle; a count level holding
+  more than V/n types, such as the never-seen ones, makes its bucket larger).
+
+Per-bucket NLL is stratified by a token id chosen per position: the *predicted*
+token (the NLL of predicting `labels[i]` counts towards the bucket of
+`labels[i]`) or the *input* token at that position (`tokens[i]`, the one whose
+embedding LEV generates). Either way every position lands in exactly one
+bucket, so summing bucket NLL sums gives the overall NLL sum and the
+token-weighted mean of bucket NLLs is the overall mean NLL exactly.
 """
 from __future__ import annotations
 
@@ -32,7 +40,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-BUCKET_KINDS = ("log", "quantile")
+BUCKET_KINDS = ("log", "quantile", "types")
+STRATA = ("predicted", "input")  # which token of a position picks its bucket
 
 
 @dataclass(frozen=True)
@@ -105,38 +114,59 @@ def log_buckets(counts, base: float = 10) -> Bucketing:
                      f"log buckets (base {base:g}): count 0, then [base^(j-1), base^j)")
 
 
+def _level_buckets(counts: np.ndarray, num_buckets: int, by_mass: bool) -> np.ndarray:
+    """Bucket of each type when each count level `c` goes to `floor(n * below(c) / total)`,
+    `below` and `total` in training tokens (by_mass) or in types."""
+    levels, inverse = np.unique(counts, return_inverse=True)  # distinct counts, ascending
+    types_at = np.bincount(inverse, minlength=levels.size)
+    weight_at = levels * types_at if by_mass else types_at
+    below = np.concatenate([[0], np.cumsum(weight_at)[:-1]])  # weight of all rarer levels
+    # Integer arithmetic: floor(n * below / total) without float rounding at the edges.
+    level_bucket = np.minimum(num_buckets - 1, (num_buckets * below) // int(weight_at.sum()))
+    return level_bucket[inverse].astype(np.int64)
+
+
+def _span_labels(counts: np.ndarray, assignment: np.ndarray, num_buckets: int, prefix: str) -> tuple[str, ...]:
+    labels = []
+    for q in range(num_buckets):
+        members = counts[assignment == q]
+        span = f"{members.min()}-{members.max()}" if members.size else "empty"
+        labels.append(f"{prefix}{q + 1} ({span})")
+    return tuple(labels)
+
+
 def quantile_buckets(counts, num_buckets: int = 5) -> Bucketing:
     """Buckets of about equal training-token mass, rarest first (see module doc)."""
     counts = _check_counts(counts)
     if num_buckets < 1:
         raise ValueError(f"number of quantile buckets must be >= 1, got {num_buckets}")
-    total = int(counts.sum())
-    if total == 0:
+    if int(counts.sum()) == 0:
         raise ValueError("quantile buckets need a corpus with at least one token (all counts are 0)")
-    levels, inverse = np.unique(counts, return_inverse=True)  # distinct counts, ascending
-    types_at = np.bincount(inverse, minlength=levels.size)
-    mass_at = levels * types_at
-    below = np.concatenate([[0], np.cumsum(mass_at)[:-1]])  # mass of all rarer levels
-    # Integer arithmetic: floor(n * below / total) without float rounding at the edges.
-    level_bucket = np.minimum(num_buckets - 1, (num_buckets * below) // total)
-    assignment = level_bucket[inverse].astype(np.int64)
-    labels = []
-    for q in range(num_buckets):
-        members = counts[assignment == q]
-        span = f"{members.min()}-{members.max()}" if members.size else "empty"
-        labels.append(f"Q{q + 1} ({span})")
-    return Bucketing("quantile", assignment, tuple(labels),
+    assignment = _level_buckets(counts, num_buckets, by_mass=True)
+    return Bucketing("quantile", assignment, _span_labels(counts, assignment, num_buckets, "Q"),
                      f"{num_buckets} quantile buckets of ~equal training-token mass, rarest first")
 
 
+def type_buckets(counts, num_buckets: int = 5) -> Bucketing:
+    """Buckets of about equal numbers of token types, rarest first (see module doc)."""
+    counts = _check_counts(counts)
+    if num_buckets < 1:
+        raise ValueError(f"number of type buckets must be >= 1, got {num_buckets}")
+    assignment = _level_buckets(counts, num_buckets, by_mass=False)
+    return Bucketing("types", assignment, _span_labels(counts, assignment, num_buckets, "T"),
+                     f"{num_buckets} buckets of ~equal numbers of token types, rarest first")
+
+
 def build_bucketing(spec: str, counts) -> Bucketing:
-    """From a flag value: 'log', 'log:2' (base), 'quantile', 'quantile:10' (number)."""
+    """From a flag value: 'log', 'log:2' (base), 'quantile', 'quantile:10', 'types', 'types:10' (number)."""
     kind, _, arg = spec.partition(":")
     try:
         if kind == "log":
             return log_buckets(counts, base=float(arg) if arg else 10)
         if kind == "quantile":
             return quantile_buckets(counts, num_buckets=int(arg) if arg else 5)
+        if kind == "types":
+            return type_buckets(counts, num_buckets=int(arg) if arg else 5)
     except ValueError as exc:
         if "could not convert" in str(exc) or "invalid literal" in str(exc):
             raise ValueError(f"--buckets {spec!r}: bad number after ':'") from exc
@@ -157,7 +187,8 @@ class BucketNLL:
         return cls(np.zeros(num_buckets, dtype=np.int64), np.zeros(num_buckets, dtype=np.float64))
 
     def add(self, bucketing: Bucketing, labels, nll) -> None:
-        """Accumulate the NLLs `nll[i]` of predicting `labels[i]` (same shapes, masked out already)."""
+        """Accumulate the NLLs `nll[i]` into the buckets of the token ids `labels[i]` (the
+        predicted or the input token of each position; same shapes, masked out already)."""
         labels = np.asarray(labels, dtype=np.int64).ravel()
         nll = np.asarray(nll, dtype=np.float64).ravel()
         if labels.shape != nll.shape:

@@ -110,3 +110,52 @@ def plot_loss_curves(curves: dict[str, tuple], path: str, target: float | None =
     ax.legend()
     fig.tight_layout()
     return _save(fig, path, dpi)
+
+
+def plot_changes_with_error_bars(labels, series: dict[str, tuple[list, list]], path: str,
+                                 title: str = "Change vs baseline, mean over seeds",
+                                 ylabel: str = "% change in perplexity", xlabel: str = "bucket (rarest first)",
+                                 size_px=DEFAULT_SIZE_PX, dpi: int = DEFAULT_DPI) -> str:
+    """Grouped bars of per-cent changes, one group per label, one bar per series
+    (`name: (means, stds)`), each with a +-std error bar and its mean written on it."""
+    fig, axes = _figure(size_px, dpi)
+    ax = axes[0][0]
+    x = range(len(labels))
+    width = 0.8 / max(len(series), 1)
+    for k, (name, (means, stds)) in enumerate(series.items()):
+        offset = (k - (len(series) - 1) / 2) * width
+        heights = [math.nan if v is None else v for v in means]
+        errors = [0.0 if v is None else v for v in stds]
+        ax.bar([i + offset for i in x], heights, width, yerr=errors, capsize=4, label=name, color=f"C{k}")
+        for i, v in zip(x, means):
+            if v is not None:
+                ax.annotate(f"{v:+.1f}", (i + offset, v), ha="center", va="bottom" if v >= 0 else "top", fontsize=7)
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return _save(fig, path, dpi)
+
+
+def plot_loss_bands(curves: dict[str, tuple], path: str, ylabel: str = "validation loss",
+                    title: str = "Loss vs training tokens, mean +- std over seeds",
+                    size_px=DEFAULT_SIZE_PX, dpi: int = DEFAULT_DPI) -> str:
+    """One line per model (`name: (tokens, mean, std)`) with a shaded +-std band."""
+    fig, axes = _figure(size_px, dpi)
+    ax = axes[0][0]
+    for k, (name, (tokens, mean, std)) in enumerate(curves.items()):
+        ax.plot(tokens, mean, label=name, linewidth=1.5, color=f"C{k}")
+        ax.fill_between(tokens, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                        color=f"C{k}", alpha=0.2, linewidth=0)
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return _save(fig, path, dpi)

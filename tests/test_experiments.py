@@ -1,0 +1,140 @@
+"""Issue 17's analyses: seeds summarised as mean +- std (exact numbers on synthetic runs),
+the experiment corpus's hashed document order, and the papers'-vocabulary configs."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from megatron_lev.evaluation import seeds as sd
+from tests.test_evaluate import png_size
+
+# Per seed: overall perplexities (tied, lev, untied, lev-deeper), per-bucket perplexities of
+# 2 predicted-token buckets and 2 input-token buckets, and the valid-loss curves.
+SEEDS = {
+    "1": {"ppl": {"tied": 100.0, "lev": 90.0, "untied": 80.0, "lev-deeper": 76.0},
+          "pred": {"tied": [200.0, 10.0], "lev": [100.0, 10.0]}, "input": {"tied": [50.0, 20.0], "lev": [45.0, 18.0]},
+          "tied": [5.0, 4.0, 3.0], "lev": [5.0, 3.5, 2.5]},
+    "2": {"ppl": {"tied": 100.0, "lev": 80.0, "untied": 80.0, "lev-deeper": 84.0},
+          "pred": {"tied": [200.0, 10.0], "lev": [200.0, 11.0]}, "input": {"tied": [50.0, 20.0], "lev": [40.0, 20.0]},
+          "tied": [5.0, 4.0, 3.0], "lev": [5.0, 4.0, 3.0]},
+    "3": {"ppl": {"tied": 100.0, "lev": 70.0, "untied": 80.0, "lev-deeper": 80.0},
+          "pred": {"tied": [100.0, 10.0], "lev": [40.0, 9.0]}, "input": {"tied": [50.0, 20.0], "lev": [35.0, None]},
+          "tied": [5.0, 4.0, 3.0], "lev": [5.0, 4.5, 3.5]},
+}
+TOKENS = [0, 1000, 2000]
+
+
+def _write(path, data):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        if path.endswith(".jsonl"):
+            f.writelines(json.dumps(r) + "\n" for r in data)
+        else:
+            json.dump(data, f)
+
+
+def _bucket_section(ppls: dict, models) -> dict:
+    buckets = [{"label": "rare", "num_types": 900, "train_token_share": 0.25},
+               {"label": "common", "num_types": 100, "train_token_share": 0.75}]
+    return {"buckets": buckets, "models": {m: [{"eval_tokens": 0 if p is None else 10, "ppl": p,
+                                                "nll": None if p is None else math.log(p)}
+                                               for p in ppls.get(m, [20.0, 20.0])] for m in models}}
+
+
+def make_seed_dirs(root) -> dict[str, str]:
+    """Seed directories laid out like experiments/run.sh's, from SEEDS."""
+    from megatron_lev.evaluation.curves import main as curves_main
+
+    dirs = {}
+    for seed, spec in SEEDS.items():
+        base = os.path.join(root, f"s{seed}")
+        models = list(spec["ppl"])
+        report = {"models": {m: {"ppl": p, "loss": math.log(p)} for m, p in spec["ppl"].items()},
+                  "frequency": {"bucketings": {"quantile:2": _bucket_section(spec["pred"], models)},
+                                "input_bucketings": {"quantile:2": _bucket_section(spec["input"], models)}}}
+        _write(os.path.join(base, "ppl", "evaluation.json"), report)
+        for name in ("tied", "lev"):
+            _write(os.path.join(root, "runs", f"{name}-s{seed}", "metrics.jsonl"),
+                   [{"iteration": i, "consumed_tokens": t, "valid_loss": v}
+                    for i, (t, v) in enumerate(zip(TOKENS, spec[name]))])
+        curves_main(["--run", f"tied={root}/runs/tied-s{seed}", "--run", f"lev={root}/runs/lev-s{seed}",
+                     "--baseline", "tied", "--output-dir", os.path.join(base, "curves-lev")])
+        dirs[seed] = base
+    return dirs
+
+
+def test_seeds_mean_std_of_overall_bucket_and_curve_changes(tmp_path):
+    dirs = make_seed_dirs(str(tmp_path))
+    out = tmp_path / "seeds"
+    summary = sd.main([*(a for s, d in dirs.items() for a in ("--seed-dir", f"{s}={d}")), "--pair", "lev:tied",
+                       "--pair", "lev-deeper:untied", "--output-dir", str(out), "--plot-width", "700",
+                       "--plot-height", "400"])
+    lev, deeper = summary["pairs"]
+    # Overall: -10, -20, -30 % -> mean -20, sample std 10; lev-deeper: -5, +5, 0 -> 0 +- 5.
+    assert lev["ppl_change_pct"]["per_seed"] == pytest.approx({"1": -10.0, "2": -20.0, "3": -30.0})
+    assert (lev["ppl_change_pct"]["mean"], lev["ppl_change_pct"]["std"], lev["ppl_change_pct"]["n"]) == \
+        pytest.approx((-20.0, 10.0, 3))
+    assert (deeper["ppl_change_pct"]["mean"], deeper["ppl_change_pct"]["std"]) == pytest.approx((0.0, 5.0))
+    assert lev["loss_difference"]["mean"] == pytest.approx(np.mean([math.log(0.9), math.log(0.8), math.log(0.7)]))
+    # Predicted-token buckets: rare -50, 0, -60 -> mean -36.667, std 32.146; common 0, +10, -10.
+    rare, common = lev["buckets"]["predicted"]["quantile:2"]["ppl_change_pct"]
+    assert rare["mean"] == pytest.approx(-110 / 3) and rare["std"] == pytest.approx(np.std([-50, 0, -60], ddof=1))
+    assert (common["mean"], common["std"]) == pytest.approx((0.0, 10.0))
+    # Input-token buckets: rare -10, -20, -30; common -10, 0 and a bucket without tokens (n=2).
+    rare, common = lev["buckets"]["input"]["quantile:2"]["ppl_change_pct"]
+    assert (rare["mean"], rare["std"], rare["n"]) == pytest.approx((-20.0, 10.0, 3))
+    assert (common["mean"], common["std"], common["n"]) == pytest.approx((-5.0, math.sqrt(50), 2))
+    assert common["per_seed"]["3"] is None
+    # Curves: tied ends at 3.0 after 2000 tokens. Seed 1 reaches 3.0 at 1500 tokens (1.333x),
+    # seed 2 at 2000 (1x), seed 3 never (n=2).
+    curves = lev["curves"]
+    assert curves["tokens_to_target"]["per_seed"] == pytest.approx({"1": 1500.0, "2": 2000.0, "3": None})
+    assert (curves["tokens_to_target"]["mean"], curves["tokens_to_target"]["n"]) == pytest.approx((1750.0, 2))
+    assert curves["speedup"]["mean"] == pytest.approx((2000 / 1500 + 1) / 2)
+    assert curves["final_loss_difference"]["mean"] == pytest.approx(0.0)
+    assert "curves" not in deeper  # no curves.json with baseline untied
+    # Mean curves with a +-std band: lev at 1000 tokens: 3.5, 4.0, 4.5 -> 4.0 +- 0.5.
+    bands = sd.mean_curves(curves["metrics_files"], ["tied", "lev"])
+    assert bands["lev"][0] == TOKENS and bands["lev"][1] == pytest.approx([5.0, 4.0, 3.0])
+    assert bands["lev"][2] == pytest.approx([0.0, 0.5, 0.5]) and bands["tied"][2] == pytest.approx([0, 0, 0])
+
+    saved = json.load(open(out / "seeds.json"))
+    assert saved["pairs"][0]["ppl_change_pct"]["mean"] == pytest.approx(-20.0)
+    md = (out / "seeds.md").read_text()
+    assert "| validation perplexity change | -20.0 ± 10.0% (n=3) | -10.00, -20.00, -30.00 |" in md
+    assert "| rare | 900 | 0.250 | -20.0 ± 10.0% (n=3) | +0.0 ± 0.0% (n=3) |" in md  # input stratum, both pairs
+    assert "| speed-up (tied tokens / lev tokens) | 1.17 ± 0.24x (n=2) | 1.33x, 1.00x, n/a |" in md
+    for name in ("changes_predicted_quantile_2.png", "changes_input_quantile_2.png", "loss_lev_vs_tied.png"):
+        assert png_size(out / name) == (700, 400)
+
+    with pytest.raises(SystemExit, match="no evaluation.json scores both 'lev' and 'small'"):
+        sd.main(["--seed-dir", f"1={dirs['1']}", "--pair", "lev:small", "--output-dir", str(out)])
+    with pytest.raises(SystemExit, match="--pair 'lev': expected MODEL:BASELINE"):
+        sd.main(["--seed-dir", f"1={dirs['1']}", "--pair", "lev", "--output-dir", str(out)])
+    with pytest.raises(SystemExit, match="--seed-dir 9=.*nowhere: no such directory"):
+        sd.main(["--seed-dir", f"9={tmp_path / 'nowhere'}", "--pair", "lev:tied", "--output-dir", str(out)])
+    assert sd.mean_std([4.0]) == {"mean": 4.0, "std": None, "n": 1}
+
+
+def test_hashed_corpus_order_is_a_sha1_sorted_permutation(tmp_path):
+    from megatron_lev.data.corpus import build_python_corpus, read_documents
+    from megatron_lev.data.python_text import ordered_documents
+
+    docs = [("a", "zeta"), ("b", "alpha"), ("a", "mid")]
+    assert ordered_documents(docs, "source") == docs
+    assert ordered_documents(docs, "hashed") == sorted(docs, key=lambda d: hashlib.sha1(d[1].encode()).digest())
+    with pytest.raises(ValueError, match="unknown document order 'random'"):
+        ordered_documents(docs, "random")
+    # The corpus writer passes the order through: the same documents, sorted by SHA-1 of their text.
+    texts = {}
+    for order in ("source", "hashed"):
+        path = str(tmp_path / f"{order}.jsonl")
+        build_python_corpus(path, sources=["pydoc_topics"], order=order)
+        texts[order] = [r.texts[0] for r in read_documents(path)]
+    assert len(texts["source"]) > 50 and texts["hashed"] != texts["source"]
+    assert texts["hashed"] == sorted(texts["source"], key=lambda t: hashlib.sha1(t.encode()).digest())
