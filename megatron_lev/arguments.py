@@ -20,6 +20,8 @@ import sys
 import yaml
 
 from megatron_lev.configs import config_path, load_config
+from megatron_lev.megatron_flags import (TRAIN_IGNORED, TRAIN_REFUSED, MegatronArgumentParser, add_compat_flags,
+                                         warn_ignored)
 
 
 class ConfigError(ValueError):
@@ -35,18 +37,34 @@ TRAINING_DEFAULTS = {
     "seq_length": None,
     "train_iters": None,
     "train_tokens": None,
+    "train_samples": None,
     "lr": None,
     "min_lr": 0.0,
     "lr_warmup_iters": 0,
+    "lr_warmup_samples": 0,
+    "lr_warmup_fraction": None,
+    "lr_warmup_init": 0.0,
     "lr_decay_iters": None,
+    "lr_decay_samples": None,
     "lr_decay_style": "cosine",
+    "lr_wsd_decay_style": "exponential",
+    "lr_wsd_decay_iters": None,
+    "lr_wsd_decay_samples": None,
+    "override_opt_param_scheduler": False,
+    "use_checkpoint_opt_param_scheduler": False,
     "weight_decay": 0.01,
+    "start_weight_decay": None,
+    "end_weight_decay": None,
+    "weight_decay_incr_style": "constant",
     "clip_grad": 1.0,
     "adam_beta1": 0.9,
     "adam_beta2": 0.95,
     "adam_eps": 1e-8,
     "bf16": False,
     "recompute_activations": False,
+    "recompute_granularity": None,
+    "recompute_method": None,
+    "recompute_num_layers": None,
     "sequence_parallel": False,
     "data_path": None,
     "split": "969,30,1",
@@ -54,6 +72,8 @@ TRAINING_DEFAULTS = {
     "valid_data_path": None,
     "test_data_path": None,
     "data_cache_path": None,
+    "eod_mask_loss": False,
+    "reset_position_ids": False,
     "tokenizer_type": None,
     "tokenizer_model": None,
     "num_workers": 0,
@@ -65,9 +85,11 @@ TRAINING_DEFAULTS = {
     "eval_interval": 1000,
     "eval_iters": 10,
     "seed": 1234,
+    "distributed_timeout_minutes": 10,
     "deepspeed_config": None,
     "zero_stage": None,
     "log_interval": 100,
+    "log_throughput": False,
     "tensorboard_dir": None,
     "metrics_file": None,
     "wandb_project": None,
@@ -83,12 +105,15 @@ TRAINING_DEFAULTS = {
 
 # Model-section fields that flags may override (Megatron names on the command line).
 MODEL_OVERRIDE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                        "num_query_groups", "rotary_base", "embedding")
+                        "num_query_groups", "rotary_base", "embedding", "init_method_std",
+                        "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout")
+MODEL_OVERRIDE_TYPES = {"embedding": str, "rotary_base": float, "init_method_std": float, "hidden_dropout": float,
+                        "attention_dropout": float}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """All flags default to SUPPRESS, so the namespace holds only what was typed."""
-    p = argparse.ArgumentParser(
+    p = MegatronArgumentParser(
         prog="python -m megatron_lev.train", argument_default=argparse.SUPPRESS,
         description="Pre-train a Leviathan (LEV) or baseline model under DeepSpeed. Flags override "
                     "the --config YAML's training: section.")
@@ -99,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=int)
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
                    help="shard norms/dropout activations along the sequence (CUDA only)")
-    g.add_argument("--deepspeed-config", help="DeepSpeed JSON (a path, or a name in deepspeed_configs/ such "
-                   "as zero2); 'auto' values are filled from these flags")
+    g.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config",
+                   help="DeepSpeed JSON (a path, or a name in deepspeed_configs/ such as zero2); 'auto' values "
+                   "are filled from these flags (--deepspeed_config: Megatron-DeepSpeed's spelling)")
     g.add_argument("--zero-stage", type=int, choices=(1, 2, 3),
                    help="shortcut for --deepspeed-config deepspeed_configs/zero{N}.json (default 1)")
 
@@ -110,25 +136,47 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-length", type=int)
     g.add_argument("--train-iters", type=int)
     g.add_argument("--train-tokens", type=float, help="train for ceil(tokens / (global batch x seq)) steps")
-    g.add_argument("--lr", type=float)
+    g.add_argument("--train-samples", type=int, help="train for samples // global batch steps; the --lr-*-samples "
+                   "flags then set the schedule")
+    g.add_argument("--lr", type=float, help="peak learning rate")
     g.add_argument("--min-lr", type=float)
     g.add_argument("--lr-warmup-iters", type=int)
+    g.add_argument("--lr-warmup-samples", type=int)
+    g.add_argument("--lr-warmup-fraction", type=float, help="warmup as a fraction of the decay length")
+    g.add_argument("--lr-warmup-init", type=float, help="learning rate at the start of warmup (default 0)")
     g.add_argument("--lr-decay-iters", type=int, help="default: the number of training iterations")
-    g.add_argument("--lr-decay-style", choices=("cosine", "linear", "constant"))
+    g.add_argument("--lr-decay-samples", type=int, help="default: --train-samples")
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+    g.add_argument("--lr-wsd-decay-style", choices=("exponential", "linear", "cosine", "minus_sqrt"))
+    g.add_argument("--lr-wsd-decay-iters", type=int, help="length of WSD's final decay")
+    g.add_argument("--lr-wsd-decay-samples", type=int)
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true",
+                   help="on resume, use these flags' schedule, not the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="on resume, keep the checkpoint's schedule (lr, min-lr, warmup, decay length and style)")
     g.add_argument("--weight-decay", type=float)
+    g.add_argument("--start-weight-decay", type=float)
+    g.add_argument("--end-weight-decay", type=float)
+    g.add_argument("--weight-decay-incr-style", choices=("constant", "linear", "cosine"))
     g.add_argument("--clip-grad", type=float, help="global grad-norm clip (0 disables)")
     g.add_argument("--adam-beta1", type=float)
     g.add_argument("--adam-beta2", type=float)
     g.add_argument("--adam-eps", type=float)
     g.add_argument("--bf16", action=argparse.BooleanOptionalAction)
     g.add_argument("--recompute-activations", action=argparse.BooleanOptionalAction,
-                   help="checkpoint every transformer layer's activations")
+                   help="selective recompute (core attention), as --recompute-granularity selective")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"))
+    g.add_argument("--recompute-method", choices=("uniform", "block"),
+                   help="full: checkpoint chunks of --recompute-num-layers (uniform), or the first "
+                   "--recompute-num-layers layers of each stage (block)")
+    g.add_argument("--recompute-num-layers", type=int)
     g.add_argument("--seed", type=int)
 
     g = p.add_argument_group("model overrides (change the YAML's model: section)")
     for name in MODEL_OVERRIDE_FLAGS:
-        g.add_argument("--" + name.replace("_", "-"), type=str if name == "embedding" else int
-                       if name != "rotary_base" else float)
+        g.add_argument("--" + name.replace("_", "-"), type=MODEL_OVERRIDE_TYPES.get(name, int))
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", help="prefix, or a Megatron blend: 0.3 pathA 0.7 pathB")
@@ -137,9 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--valid-data-path", nargs="+")
     g.add_argument("--test-data-path", nargs="+")
     g.add_argument("--data-cache-path")
-    g.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"))
+    g.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                                                 "HuggingFaceTokenizer"))
     g.add_argument("--tokenizer-model")
     g.add_argument("--num-workers", type=int, help="data-loader worker processes per rank")
+    g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="position ids restart after each end-of-document token")
 
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save", help="checkpoint directory")
@@ -147,13 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "(an empty or missing directory starts fresh)")
     g.add_argument("--save-interval", type=int)
     g.add_argument("--keep-last-checkpoints", type=int, metavar="K", help="delete all but the newest K")
-    g.add_argument("--no-load-optim", action="store_true",
-                   help="load weights only (fresh optimizer, schedule and counters)")
+    g.add_argument("--no-load-optim", "--finetune", dest="no_load_optim", action="store_true",
+                   help="load weights only (fresh optimizer, schedule and counters: Megatron's --finetune)")
 
     g = p.add_argument_group("evaluation, logging, exit")
     g.add_argument("--eval-interval", type=int)
     g.add_argument("--eval-iters", type=int, help="global batches per evaluation")
     g.add_argument("--log-interval", type=int)
+    g.add_argument("--log-throughput", action="store_true", help="add TFLOP/s per GPU (and MFU) to the log line")
     g.add_argument("--tensorboard-dir")
     g.add_argument("--metrics-file", help="JSON-lines log (default: <save>/metrics.jsonl, "
                    "else <tensorboard-dir>/metrics.jsonl)")
@@ -168,6 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGUSR1: checkpoint at the next step and exit 0 (default on)")
     g.add_argument("--exit-interval", type=int, help="checkpoint and exit 0 when iteration %% N == 0")
     g.add_argument("--exit-duration-in-mins", type=float, help="checkpoint and exit 0 after this long")
+    g.add_argument("--distributed-timeout-minutes", type=int, help="collective timeout (default 10)")
+    g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int,
+                   help="set by the deepspeed launcher; the rank comes from the environment")
+    add_compat_flags(p, TRAIN_IGNORED, TRAIN_REFUSED)
     return p
 
 
@@ -184,6 +241,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     given = vars(build_parser().parse_args(argv))
+    warn_ignored("megatron_lev.train", given.pop("ignored_flags", ()))
     try:
         path = config_path(given["config"])
         raw = load_config(path)
@@ -194,10 +252,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         raise ConfigError(f"{path}: training.{unknown[0]} is not a flag of megatron_lev.train "
                           f"(known: {', '.join(sorted(TRAINING_DEFAULTS))})")
-    # The run length is one setting: a flag for either form replaces the YAML's.
-    if "train_iters" in given or "train_tokens" in given:
-        training.pop("train_iters", None)
-        training.pop("train_tokens", None)
+    # The run length, the warmup and the decay length are one setting each: a flag for any
+    # of its forms replaces the YAML's.
+    for forms in (("train_iters", "train_tokens", "train_samples"),
+                  ("lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction"),
+                  ("lr_decay_iters", "lr_decay_samples"), ("lr_wsd_decay_iters", "lr_wsd_decay_samples")):
+        if any(k in given for k in forms):
+            for k in forms:
+                training.pop(k, None)
     if "zero_stage" in given and "deepspeed_config" not in given:
         training.pop("deepspeed_config", None)
 
@@ -258,23 +320,26 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     args.gradient_accumulation_steps = args.global_batch_size // per_step
     args.tokens_per_step = args.global_batch_size * args.seq_length
 
-    if args.train_iters is not None and args.train_tokens is not None:
-        raise ConfigError(f"{args.config}: set training.train_iters or training.train_tokens, not both")
+    if sum(getattr(args, k) is not None for k in ("train_iters", "train_tokens", "train_samples")) > 1:
+        raise ConfigError(f"{args.config}: set one of training.train_iters, train_tokens, train_samples")
     if args.train_tokens is not None:
         if args.train_tokens <= 0:
             raise ConfigError(f"--train-tokens must be > 0, got {args.train_tokens}")
         args.train_iters = math.ceil(args.train_tokens / args.tokens_per_step)
+    if args.train_samples is not None:
+        args.train_iters = args.train_samples // args.global_batch_size  # Megatron's rule
+        if args.train_iters < 1:
+            raise ConfigError(f"--train-samples {args.train_samples} is less than one --global-batch-size "
+                              f"{args.global_batch_size}")
     if args.train_iters is None:
-        raise ConfigError(f"--train-iters or --train-tokens is required (or training.train_iters in {args.config})")
+        raise ConfigError(f"--train-iters, --train-samples or --train-tokens is required (or training.train_iters "
+                          f"in {args.config})")
     if args.train_iters < 1:
         raise ConfigError(f"--train-iters must be >= 1, got {args.train_iters}")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_iters < 0 or args.lr_warmup_iters > args.lr_decay_iters:
-        raise ConfigError(f"--lr-warmup-iters {args.lr_warmup_iters} must lie in [0, --lr-decay-iters "
-                          f"{args.lr_decay_iters}]")
     if not 0 <= args.min_lr <= args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} must lie in [0, --lr {args.lr}]")
+    _schedule_in_samples(args)
+    args.recompute = recompute_setting(args)
     if args.clip_grad < 0:
         raise ConfigError(f"--clip-grad must be >= 0, got {args.clip_grad}")
 
@@ -297,6 +362,87 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     return args
 
 
+def _schedule_in_samples(args: argparse.Namespace) -> None:
+    """Megatron's schedule lengths, in samples (the unit megatron-core's
+    OptimizerParamScheduler steps in): lr_warmup_steps, lr_decay_steps, wsd_decay_steps,
+    wd_incr_steps; start/end_weight_decay default to --weight-decay.
+
+    Iteration-based runs (--train-iters/--train-tokens) take --lr-*-iters (x global batch)
+    or --lr-warmup-fraction; --train-samples runs take --lr-*-samples (an iteration count
+    from the YAML is converted; one typed with --train-samples is refused, as in Megatron).
+    """
+    gbs = args.global_batch_size
+    given = set(args.given_flags)
+    if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
+        raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are alternatives: give one")
+    if args.train_samples is None:
+        for dest in ("lr_decay_samples", "lr_warmup_samples", "lr_wsd_decay_samples"):
+            if getattr(args, dest):
+                raise ConfigError(f"{_dest_to_flag(dest)} needs --train-samples (use the -iters form with "
+                                  f"--train-iters)")
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+        decay = args.lr_decay_iters * gbs
+        warmup = args.lr_warmup_iters * gbs
+        wsd = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
+        args.wd_incr_steps = args.train_iters * gbs
+    else:
+        for dest in ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters"):
+            if dest in given:
+                raise ConfigError(f"{_dest_to_flag(dest)} cannot be used with --train-samples (use the "
+                                  f"-samples form)")
+        decay = args.lr_decay_samples or (args.lr_decay_iters * gbs if args.lr_decay_iters else args.train_samples)
+        warmup = args.lr_warmup_samples or args.lr_warmup_iters * gbs
+        wsd = (args.lr_wsd_decay_samples if args.lr_wsd_decay_samples is not None else
+               args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None)
+        args.lr_decay_iters = math.ceil(decay / gbs)
+        args.wd_incr_steps = args.train_samples
+    if args.lr_warmup_fraction is not None:
+        if not 0 <= args.lr_warmup_fraction < 1:
+            raise ConfigError(f"--lr-warmup-fraction {args.lr_warmup_fraction} must lie in [0, 1)")
+        warmup = args.lr_warmup_fraction * decay
+    if decay <= 0 or not 0 <= warmup < decay:
+        raise ConfigError(f"the warmup ({warmup} samples: --lr-warmup-*) must be shorter than the decay ({decay} "
+                          f"samples: --lr-decay-iters/--lr-decay-samples, default the run length)")
+    if args.lr_decay_style == "WSD" and wsd is None:
+        raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
+    if not 0 <= args.lr_warmup_init <= args.lr:
+        raise ConfigError(f"--lr-warmup-init {args.lr_warmup_init} must lie in [0, --lr {args.lr}]")
+    args.lr_warmup_steps, args.lr_decay_steps, args.wsd_decay_steps = warmup, decay, wsd
+    for dest in ("start_weight_decay", "end_weight_decay"):
+        if getattr(args, dest) is None:
+            setattr(args, dest, args.weight_decay)
+    if args.weight_decay_incr_style == "constant" and args.start_weight_decay != args.end_weight_decay:
+        raise ConfigError(f"--start-weight-decay {args.start_weight_decay} and --end-weight-decay "
+                          f"{args.end_weight_decay} differ: give --weight-decay-incr-style linear or cosine")
+    if not 0 <= args.start_weight_decay <= args.end_weight_decay:
+        raise ConfigError("--start-weight-decay must lie in [0, --end-weight-decay]")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other")
+
+
+def recompute_setting(args: argparse.Namespace):
+    """The model's `recompute` (model_config_from_dict) from Megatron's flags:
+    --recompute-activations is selective recompute (core attention), as in Megatron;
+    --recompute-granularity full needs --recompute-method and --recompute-num-layers."""
+    granularity = args.recompute_granularity or ("selective" if args.recompute_activations else None)
+    if granularity is None:
+        if args.recompute_method is not None or args.recompute_num_layers is not None:
+            raise ConfigError("--recompute-method/--recompute-num-layers need --recompute-granularity full")
+        return False
+    if granularity == "selective":
+        if args.recompute_method is not None:
+            raise ConfigError("--recompute-method applies to --recompute-granularity full only (as in Megatron)")
+        return "selective"
+    if args.recompute_method is None or args.recompute_num_layers is None:
+        raise ConfigError("--recompute-granularity full needs --recompute-method (uniform or block) and "
+                          "--recompute-num-layers")
+    if args.recompute_num_layers < 1:
+        raise ConfigError(f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}")
+    return {"recompute_granularity": "full", "recompute_method": args.recompute_method,
+            "recompute_num_layers": args.recompute_num_layers}
+
+
 def effective_config(args: argparse.Namespace, model: dict | None = None) -> dict:
     """The run's full configuration: what is printed at start and saved with checkpoints.
 
@@ -305,11 +451,30 @@ def effective_config(args: argparse.Namespace, model: dict | None = None) -> dic
     section with flag overrides.
     """
     training = {k: getattr(args, k) for k in TRAINING_DEFAULTS}
-    for k in ("data_parallel_size", "gradient_accumulation_steps", "tokens_per_step"):
+    for k in ("data_parallel_size", "gradient_accumulation_steps", "tokens_per_step", "lr_warmup_steps",
+              "lr_decay_steps", "wsd_decay_steps", "wd_incr_steps"):
         if hasattr(args, k):
             training[k] = getattr(args, k)
     return {"config": args.config, "argv": list(args.argv), "model": dict(model if model is not None else args.model),
             "training": training}
+
+
+def summarize_config(cfg: dict, full_path: str) -> str:
+    """A few lines of the effective configuration for stdout (the whole of it is in `full_path`)."""
+    m, t = cfg["model"], cfg["training"]
+    ds = cfg.get("deepspeed", {})
+    zero = ds.get("zero_optimization", {}).get("stage")
+    lines = [
+        f"config {cfg['config']}: {m.get('embedding')} model, {m.get('num_layers')} layers x {m.get('hidden_size')}, "
+        f"vocab {m.get('vocab_size')} (padded {m.get('padded_vocab_size', '?')})",
+        f"parallel: TP {t['tensor_model_parallel_size']} x PP {t['pipeline_model_parallel_size']} x DP "
+        f"{t.get('data_parallel_size')}, ZeRO-{zero}, {'bf16' if t['bf16'] else 'fp32'}; batch {t['global_batch_size']}"
+        f" x {t['seq_length']} tokens (micro {t['micro_batch_size']}, accumulation {t.get('gradient_accumulation_steps')})",
+        f"schedule: {t['train_iters']} iterations, lr {t['lr']:g} {t['lr_decay_style']} -> {t['min_lr']:g}, warmup "
+        f"{t.get('lr_warmup_steps', 0) / t['global_batch_size']:g} iterations; data {' '.join(map(str, t['data_path'] or t['train_data_path'] or []))}",
+        f"full configuration: {full_path}",
+    ]
+    return "\n".join(lines)
 
 
 def format_config(cfg: dict) -> str:

@@ -3,6 +3,9 @@
 Only rank 0 writes (the trainer all-reduces what it logs first). Every record is one
 JSON object per line with at least `iteration` and `consumed_tokens`; training lines
 carry `loss`, evaluation lines `valid_loss`/`valid_ppl` (see train.py for the fields).
+TensorBoard and W&B get the same numbers under Megatron-LM's tag names (`lm loss`,
+`learning-rate`, `grad-norm`, `iteration-time`, `lm loss validation`, ... and the
+`... vs samples` series; MEGATRON_TAGS), so Megatron dashboards read them.
 
 On resume the JSONL is cut back to the loaded iteration, so lines written after the
 checkpoint by the interrupted run (and now repeated) appear once.
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 import warnings
 from typing import Optional
 
@@ -33,6 +37,27 @@ def truncate_jsonl(path: str, last_iteration: int) -> None:
                 kept.append(line if line.endswith("\n") else line + "\n")
     with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.writelines(kept)
+
+
+# metrics.jsonl key -> Megatron-LM's TensorBoard/W&B tag (megatron/training/training.py);
+# the rest are ours, spelled the same way.
+MEGATRON_TAGS = {
+    "loss": "lm loss", "lr": "learning-rate", "grad_norm": "grad-norm", "global_batch_size": "batch-size",
+    "step_time_s": "iteration-time", "tflops_per_device": "throughput", "valid_loss": "lm loss validation",
+    "valid_ppl": "lm loss validation ppl", "test_loss": "lm loss test", "test_ppl": "lm loss test ppl",
+    "tokens_per_s": "tokens-per-sec", "mfu": "mfu", "memory_gb": "mem-max-gb", "skipped_steps": "skipped-iterations",
+}
+# The x-axes, not series: every record carries them.
+AXES = ("iteration", "consumed_samples", "consumed_tokens")
+# Tags also written against consumed samples ("... vs samples", as Megatron) and tokens.
+VS_SAMPLES = ("lm loss", "learning-rate", "grad-norm", "batch-size", "lm loss validation", "lm loss validation ppl")
+VS_TOKENS = ("lm loss", "lm loss validation")
+
+
+def megatron_scalars(record: dict) -> dict:
+    """A metrics.jsonl record's numbers under Megatron's tag names (iteration left out)."""
+    return {MEGATRON_TAGS.get(k, k.replace("_", "-")): v for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in AXES}
 
 
 def _json_safe(value):
@@ -70,15 +95,15 @@ class MetricsWriter:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({k: _json_safe(v) for k, v in record.items()}) + "\n")
             self._jsonl.flush()
-        scalars = {k: v for k, v in record.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "iteration"}
+        scalars = megatron_scalars(record)
         if self._tb is not None:
-            for k, v in scalars.items():
-                self._tb.add_scalar(k, v, step)
-            # The paper's x-axis: loss against tokens seen.
-            for k in ("loss", "valid_loss"):
-                if k in scalars and "consumed_tokens" in record:
-                    self._tb.add_scalar(f"{k}_vs_tokens", scalars[k], int(record["consumed_tokens"]))
+            samples, tokens = record.get("consumed_samples"), record.get("consumed_tokens")
+            for tag, v in scalars.items():
+                self._tb.add_scalar(tag, v, step)
+                if samples is not None and tag in VS_SAMPLES:
+                    self._tb.add_scalar(f"{tag} vs samples", v, int(samples))
+                if tokens is not None and tag in VS_TOKENS:  # the paper's x-axis
+                    self._tb.add_scalar(f"{tag} vs tokens", v, int(tokens))
             self._tb.flush()
         if self._wandb is not None:
             try:
@@ -102,9 +127,24 @@ class MetricsWriter:
             self._wandb = None
 
 
+def wandb_run_id(save_dir: str) -> str:
+    """The run's W&B id, kept in <save_dir>/run_id: a requeued or resumed job continues the
+    same W&B run instead of starting a new one."""
+    path = os.path.join(save_dir, "run_id")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    os.makedirs(save_dir, exist_ok=True)
+    run_id = uuid.uuid4().hex[:16]
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(run_id + "\n")
+    return run_id
+
+
 def _init_wandb(project, name, save_dir, config):
     """W&B run, offline unless WANDB_MODE says otherwise or an API key is set; None if
-    wandb is missing or cannot start (a warning, never an error)."""
+    wandb is missing or cannot start (a warning, never an error). Its files and its id
+    (wandb_run_id) live in `save_dir` (default <save>/wandb, as Megatron)."""
     try:
         import wandb
     except ImportError:
@@ -113,7 +153,11 @@ def _init_wandb(project, name, save_dir, config):
         return None
     mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
     try:
-        return wandb.init(project=project, name=name, dir=save_dir, config=config, mode=mode, resume="allow")
+        if save_dir:
+            os.makedirs(save_dir, exist_ok=True)
+        run_id = wandb_run_id(save_dir) if save_dir else None
+        return wandb.init(project=project, name=name, dir=save_dir, config=config, mode=mode, id=run_id,
+                          resume="allow")
     except Exception as exc:
         warnings.warn(f"W&B could not start ({exc}); W&B logging is off")
         return None

@@ -6,15 +6,14 @@ are the generator's "embedding table", and decaying them shrinks the seed toward
 LayerNorm gains/shifts are norms even though LEV stores them as [heads, d_s]).
 
 The optimizer is handed to DeepSpeed, which wraps it (ZeRO) and owns clipping and
-overflow skipping; the schedule is a `LambdaLR` that DeepSpeed steps after every
-applied (non-skipped) optimizer step and saves in its checkpoints.
+overflow skipping; the schedule is megatron-core's OptimizerParamScheduler, which
+DeepSpeed steps after every applied (non-skipped) optimizer step and saves in its
+checkpoints.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 # LEVGenerator parameter names (lev.py) that are exempt from weight decay.
 LEV_NO_DECAY_NAMES = ("codebooks", "ln_gamma", "ln_beta")
@@ -95,49 +94,73 @@ def _apex_fused_adam(groups, kwargs):
     return FusedAdam(groups, adam_w_mode=True, **kwargs)
 
 
-@dataclass
-class WarmupDecaySchedule:
-    """LR multiplier (of the peak --lr) after `step` applied optimizer steps.
+class LRScheduler(OptimizerParamScheduler):
+    """megatron-core's OptimizerParamScheduler (Megatron-LM's schedule: linear warmup from
+    --lr-warmup-init, then constant / linear / cosine / inverse-square-root / WSD decay to
+    --min-lr; weight decay from --start- to --end-weight-decay), counted in samples.
 
-    Linear warmup over `warmup_iters` steps, reaching the peak at the end of warmup
-    (step s < warmup uses (s + 1) / warmup, so the first step already moves, unlike
-    Megatron's lr = 0 at step 0), then decay to `min_lr` at `decay_iters`:
-      cosine: min + (max - min) * (1 + cos(pi * t)) / 2,  t = (s - warmup) / (decay - warmup)
-      linear: min + (max - min) * (1 - t)
-      constant: max
-    and `min_lr` after `decay_iters`. A plain dataclass so LambdaLR's state_dict
-    checkpoints its fields.
+    DeepSpeed calls `step()` after every applied optimizer step and saves `state_dict()` in
+    its checkpoints; each step is one global batch of samples, as Megatron's
+    `opt_param_scheduler.step(increment=global_batch_size)`. Megatron's meaning of the
+    steps: step 0 runs at --lr-warmup-init (0) during warmup, --lr at the end of warmup.
+    Groups built with weight_decay 0 (norms, biases, LEV codebooks) get wd_mult 0, so the
+    scheduler's decay never reaches them.
     """
 
-    max_lr: float
-    min_lr: float
-    warmup_iters: int
-    decay_iters: int
-    style: str = "cosine"
+    def __init__(self, optimizer, *, samples_per_step: int, **kwargs):
+        self.samples_per_step = samples_per_step
+        for group in optimizer.param_groups:
+            group.setdefault("wd_mult", 1.0 if group.get("weight_decay", 0.0) > 0 else 0.0)
+        super().__init__(optimizer, **kwargs)
 
-    def lr(self, step: int) -> float:
-        if self.warmup_iters > 0 and step < self.warmup_iters:
-            return self.max_lr * (step + 1) / self.warmup_iters
-        if self.style == "constant":
-            return self.max_lr
-        if step >= self.decay_iters:
-            return self.min_lr
-        t = (step - self.warmup_iters) / max(1, self.decay_iters - self.warmup_iters)
-        if self.style == "linear":
-            factor = 1.0 - t
-        elif self.style == "cosine":
-            factor = 0.5 * (1.0 + math.cos(math.pi * t))
-        else:
-            raise ValueError(f"--lr-decay-style {self.style!r} must be cosine, linear or constant")
-        return self.min_lr + (self.max_lr - self.min_lr) * factor
+    def step(self, increment: int | None = None) -> None:
+        super().step(self.samples_per_step if increment is None else increment)
 
-    def __call__(self, step: int) -> float:
-        return self.lr(step) / self.max_lr if self.max_lr > 0 else 0.0
+    def get_last_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A schedule that differs from the checkpoint's is refused unless
+        --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler says which one
+        wins (train.py checks this before building anything; here it is megatron-core's assert)."""
+        self.num_steps = 0
+        super().load_state_dict(state_dict)
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, lr: float, min_lr: float, warmup_iters: int,
-                       decay_iters: int, style: str) -> torch.optim.lr_scheduler.LambdaLR:
-    """The param groups' lr must be the peak `lr` (build_optimizer sets it)."""
-    schedule = WarmupDecaySchedule(max_lr=lr, min_lr=min_lr, warmup_iters=warmup_iters,
-                                   decay_iters=decay_iters, style=style)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, args) -> LRScheduler:
+    """The run's schedule from its validated args (arguments._schedule_in_samples)."""
+    return LRScheduler(
+        optimizer, samples_per_step=args.global_batch_size, init_lr=args.lr_warmup_init, max_lr=args.lr,
+        min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_steps, lr_decay_steps=args.lr_decay_steps,
+        lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
+        wd_incr_steps=args.wd_incr_steps, wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler, wsd_decay_steps=args.wsd_decay_steps,
+        lr_wsd_decay_style=args.lr_wsd_decay_style)
+
+
+# The schedule fields a checkpoint stores (OptimizerParamScheduler.state_dict) -> the flags that set them.
+SCHEDULE_FIELDS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-*",
+                   "lr_decay_steps": "--lr-decay-* / the run length", "lr_decay_style": "--lr-decay-style",
+                   "start_wd": "--start-weight-decay", "end_wd": "--end-weight-decay",
+                   "wd_incr_steps": "the run length (weight-decay increment)",
+                   "wd_incr_style": "--weight-decay-incr-style"}
+
+
+def schedule_state(training: dict) -> dict:
+    """What OptimizerParamScheduler.state_dict() holds for a run's effective `training:` config."""
+    return {"max_lr": float(training["lr"]), "min_lr": training["min_lr"], "lr_warmup_steps": training["lr_warmup_steps"],
+            "lr_decay_steps": training["lr_decay_steps"], "lr_decay_style": training["lr_decay_style"],
+            "start_wd": training["start_weight_decay"], "end_wd": training["end_weight_decay"],
+            "wd_incr_steps": training["wd_incr_steps"], "wd_incr_style": training["weight_decay_incr_style"]}
+
+
+def schedule_mismatch(saved_training: dict, training: dict) -> list[str]:
+    """'field: checkpoint X, now Y (flag)' for every schedule field that changed (empty when
+    the checkpoint predates these fields)."""
+    try:
+        old = schedule_state(saved_training)
+    except KeyError:
+        return []
+    new = schedule_state(training)
+    return [f"{k} {old[k]} -> {new[k]} ({flag})" for k, flag in SCHEDULE_FIELDS.items() if old[k] != new[k]]

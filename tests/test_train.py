@@ -10,6 +10,7 @@ Every run shares the schedule of a 30-step run (--train-iters 30); runs that onl
 """
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -81,7 +82,9 @@ def two_rank_runs(tiny_dataset, spm_tokenizer, tmp_path_factory):
         "out_of_time": flags("out_of_time", "--config", "tiny-tied", "--exit-duration-in-mins", "0",
                              "--save", os.path.join(work, "ckpt_out_of_time")),
         # lr 1e30: step 1 blows the weights up, every later loss is NaN.
-        "nonfinite": flags("nonfinite", "--config", "tiny-lev", "--lr", "1e30", "--max-skipped-steps", "3",
+        # No warmup: Megatron's schedule runs step 1 of a warmup at lr 0.
+        "nonfinite": flags("nonfinite", "--config", "tiny-lev", "--lr", "1e30", "--lr-warmup-iters", "0",
+                           "--max-skipped-steps", "3",
                            "--save", os.path.join(work, "ckpt_nonfinite")),
     }
     codes = run_distributed(_train_runs, world_size=2, args=(list(runs.values()),), timeout=900)
@@ -245,6 +248,18 @@ def test_sigterm_checkpoints_and_exits_zero(tiny_dataset, spm_tokenizer, tmp_pat
     assert code == 0, out[-3000:]
     last = max(train_records(work, "run"))
     assert f"exiting at iteration {last} (signal)" in out
+    # Megatron's iteration line (timestamp first, ETA last), rank 0 only, one per --log-interval 1;
+    # a config summary instead of the whole config; no third-party import warnings.
+    logged = [re.fullmatch(r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +100000 \| consumed samples: +(\d+) "
+                           r"\| elapsed time per iteration \(ms\): [\d.]+ \| learning rate: (\S+) \| global batch size: +8 "
+                           r"\| lm loss: (\S+) \| grad norm: [\d.]+ \| number of skipped iterations: +0 \| number of nan "
+                           r"iterations: +0 \| tokens per second: [\d.]+ \| mem: [\d.]+ GB \| ETA: (?:\d+ days?, )?\d+:\d\d:\d\d \|", line)
+              for line in out.splitlines() if "] iteration " in line]
+    records = train_records(work, "run")
+    assert [m is not None for m in logged] == [True] * last, out[-3000:]
+    assert [(int(m[1]), int(m[2]), m[3], m[4]) for m in logged] == [
+        (i, 8 * i, f"{records[i]['lr']:.6E}", f"{records[i]['loss']:.6E}") for i in range(1, last + 1)]
+    assert f"full configuration: {save}/config.yaml" in out and "Transformer Engine and Apex" not in out
     tag = checkpointing.checkpoint_tag(last)
     assert checkpointing.is_complete(save, tag) and checkpointing.find_latest(save) == tag
     with open(os.path.join(save, tag, checkpointing.COMPLETE_MARKER)) as f:

@@ -11,7 +11,7 @@ from megatron_lev import checkpointing
 from megatron_lev.arguments import ConfigError, effective_config, parse_args, validate_args
 from megatron_lev.ds_config import build_deepspeed_config
 from megatron_lev.flops import FlopsModel, peak_flops_per_device, training_flops
-from megatron_lev.optim import WarmupDecaySchedule, param_groups, uses_weight_decay
+from megatron_lev.optim import param_groups, uses_weight_decay
 
 DATA = ["--data-path", "/nonexistent/prefix", "--tokenizer-type", "SentencePieceTokenizer",
         "--tokenizer-model", "/nonexistent/spm.model"]
@@ -114,27 +114,102 @@ def test_weight_decay_groups_exclude_norms_biases_and_lev_codebooks_layernorm():
     assert uses_weight_decay("tied_modules.embedding.weight", torch.nn.Parameter(torch.ones(4, 5)))
 
 
-def test_lr_schedule_warmup_cosine_linear_constant():
-    s = WarmupDecaySchedule(max_lr=1.0, min_lr=0.1, warmup_iters=4, decay_iters=14, style="cosine")
-    assert [s.lr(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert s.lr(4) == 1.0
-    assert s.lr(9) == pytest.approx(0.55, abs=1e-12)  # halfway: (max + min) / 2
-    assert s.lr(14) == pytest.approx(0.1) and s.lr(100) == pytest.approx(0.1)
-    lin = WarmupDecaySchedule(max_lr=1.0, min_lr=0.0, warmup_iters=0, decay_iters=10, style="linear")
-    assert [lin.lr(i) for i in (0, 5, 10)] == [1.0, 0.5, 0.0]
-    const = WarmupDecaySchedule(max_lr=2.0, min_lr=0.0, warmup_iters=2, decay_iters=10, style="constant")
-    assert [const.lr(i) for i in (0, 1, 2, 50)] == [1.0, 2.0, 2.0, 2.0]
-    # As a LambdaLR its state round-trips (DeepSpeed checkpoints it).
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, s)
-    for _ in range(6):
-        opt.step()
-        sched.step()
-    assert opt.param_groups[0]["lr"] == pytest.approx(s.lr(6))
-    fresh = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
-                                              WarmupDecaySchedule(1.0, 0.0, 0, 1))
+def _schedule(*flags, world_size=1):
+    from megatron_lev.optim import build_lr_scheduler
+
+    args = args_for(*flags, world_size=world_size)
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(2, 2))], "weight_decay": args.weight_decay},
+              {"params": [torch.nn.Parameter(torch.zeros(2))], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=args.lr)
+    return args, opt, build_lr_scheduler(opt, args)
+
+
+def _lrs(opt, sched, steps):
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        sched.step()  # as DeepSpeed does after an applied step: one global batch of samples
+    return out
+
+
+def test_lr_schedule_is_megatrons():
+    """megatron-core's OptimizerParamScheduler in samples: warmup from --lr-warmup-init (step 0
+    at 0), cosine to --min-lr, WSD, sample-based flags; weight decay stays off the no-decay group."""
+    args, opt, sched = _schedule("--lr", "1.0", "--min-lr", "0.1", "--train-iters", "14", "--lr-warmup-iters", "4",
+                                 "--lr-decay-style", "cosine", "--global-batch-size", "8")
+    assert (args.lr_warmup_steps, args.lr_decay_steps) == (32, 112)  # samples: iterations x 8
+    lrs = _lrs(opt, sched, 15)
+    assert lrs[:5] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert lrs[9] == pytest.approx(0.55, abs=1e-12)  # halfway through decay: (max + min) / 2
+    assert lrs[14] == pytest.approx(0.1)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    # The same schedule from --train-samples / --lr-*-samples, and from --lr-warmup-fraction.
+    _, opt2, sched2 = _schedule("--lr", "1.0", "--min-lr", "0.1", "--train-samples", "112", "--lr-warmup-samples",
+                                "32", "--lr-decay-style", "cosine", "--global-batch-size", "8")
+    assert _lrs(opt2, sched2, 15) == lrs
+    _, opt3, sched3 = _schedule("--lr", "1.0", "--min-lr", "0.1", "--train-iters", "14", "--lr-warmup-fraction",
+                                str(4 / 14), "--lr-decay-style", "cosine", "--global-batch-size", "8")
+    assert _lrs(opt3, sched3, 15) == pytest.approx(lrs, abs=1e-12)
+    # WSD: constant, then the last 4 iterations decay linearly to min-lr.
+    _, opt4, sched4 = _schedule("--lr", "1.0", "--min-lr", "0.0", "--train-iters", "10", "--lr-warmup-iters", "0",
+                                "--lr-decay-style", "WSD", "--lr-wsd-decay-style", "linear", "--lr-wsd-decay-iters",
+                                "4", "--global-batch-size", "8")
+    assert _lrs(opt4, sched4, 11) == pytest.approx([1, 1, 1, 1, 1, 1, 1, 0.75, 0.5, 0.25, 0])
+    # Weight decay rising linearly from --start- to --end-weight-decay over the run.
+    _, opt5, sched5 = _schedule("--lr", "1.0", "--train-iters", "4", "--lr-warmup-iters", "0", "--start-weight-decay",
+                                "0.0", "--end-weight-decay", "0.2", "--weight-decay-incr-style", "linear")
+    wds = []
+    for _ in range(5):
+        wds += [g["weight_decay"] for g in opt5.param_groups]
+        sched5.step()
+    assert wds == pytest.approx([0, 0, 0.05, 0, 0.1, 0, 0.15, 0, 0.2, 0])
+    # Its state round-trips into a fresh scheduler (DeepSpeed checkpoints it).
+    _, fresh_opt, fresh = _schedule("--lr", "1.0", "--min-lr", "0.1", "--train-iters", "14", "--lr-warmup-iters", "4",
+                                    "--lr-decay-style", "cosine", "--global-batch-size", "8")
     fresh.load_state_dict(sched.state_dict())
-    assert fresh.last_epoch == 6 and fresh.lr_lambdas[0] == s
+    assert fresh.num_steps == 15 * 8 and fresh_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    with pytest.raises(ConfigError, match="--lr-warmup-fraction and --lr-warmup-iters"):
+        args_for("--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3")
+    with pytest.raises(ConfigError, match="--lr-decay-style WSD needs --lr-wsd-decay-iters"):
+        args_for("--lr-decay-style", "WSD")
+    with pytest.raises(ConfigError, match="--lr-warmup-iters cannot be used with --train-samples"):
+        args_for("--train-samples", "800", "--lr-warmup-iters", "3")
+
+
+def test_resume_with_another_schedule_is_refused_unless_told():
+    """Megatron's rule: a changed schedule on resume needs --override-opt_param-scheduler or
+    --use-checkpoint-opt_param-scheduler; the checkpoint's or the flags' values then win."""
+    from megatron_lev.train import check_resume_schedule
+
+    old = args_for("--train-iters", "20")
+    saved = effective_config(old)
+    new = args_for("--train-iters", "40", "--load", "/ckpt")
+    with pytest.raises(ConfigError, match=r"LR schedule differs.*lr_decay_steps 160 -> 320.*--override-opt_param"):
+        check_resume_schedule(new, saved, effective_config(new))
+    check_resume_schedule(args_for("--train-iters", "20", "--load", "/ckpt"), saved, saved)  # same schedule: fine
+    _, old_opt, old_sched = _schedule("--train-iters", "20")
+    for _ in range(5):
+        old_sched.step()
+    for flag, decay_steps in (("--use-checkpoint-opt_param-scheduler", 160), ("--override-opt_param-scheduler", 320)):
+        args, opt, sched = _schedule("--train-iters", "40", "--load", "/ckpt", flag)
+        check_resume_schedule(args, saved, effective_config(args))
+        sched.load_state_dict(old_sched.state_dict())
+        assert sched.lr_decay_steps == decay_steps and sched.num_steps == 5 * 8
+
+
+def test_recompute_flags_reach_the_model():
+    """--recompute-activations is Megatron's selective recompute; granularity/method/num-layers
+    reach the model's full (uniform/block) recompute."""
+    from megatron_lev.train import build_model_config
+
+    cfg = build_model_config(args_for("--recompute-activations"))
+    assert (cfg.recompute_granularity, cfg.recompute_modules) == ("selective", ["core_attn"])
+    cfg = build_model_config(args_for("--recompute-granularity", "full", "--recompute-method", "block",
+                                      "--recompute-num-layers", "1"))
+    assert (cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers) == ("full", "block", 1)
+    assert build_model_config(args_for()).recompute_granularity is None
+    with pytest.raises(ConfigError, match="--recompute-granularity full needs --recompute-method"):
+        args_for("--recompute-granularity", "full")
 
 
 def _fake_checkpoint(root, iteration, complete=True, config=None):

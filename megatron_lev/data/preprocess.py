@@ -46,6 +46,8 @@ from megatron.core.datasets.indexed_dataset import (DType, IndexedDatasetBuilder
 
 from megatron_lev.data.corpus import BAD_KINDS, BadCase, Block, expand_inputs, iter_block_records, iter_blocks
 from megatron_lev.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from megatron_lev.megatron_flags import (PREPROCESS_IGNORED, PREPROCESS_REFUSED, MegatronArgumentParser,
+                                         add_compat_flags, warn_ignored)
 
 
 class PreprocessError(RuntimeError):
@@ -399,8 +401,8 @@ def _print_summary(s: PreprocessSummary, dtype, log) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = MegatronArgumentParser(prog="preprocess_data.py", description=__doc__.split("\n\n")[0],
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("input")
     g.add_argument("--input", nargs="+", required=True,
                    help="files, globs or directories of .jsonl/.json/.jsonl.zst/.json.zst/.jsonl.gz/.json.gz")
@@ -421,11 +423,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=10000, help="documents between progress lines")
     g.add_argument("--strict", action="store_true", help="fail on the first bad record instead of skipping it")
     g.add_argument("--max-bad-reports", type=int, default=10, help="bad records reported with file:line")
+    add_compat_flags(p, PREPROCESS_IGNORED, PREPROCESS_REFUSED)
     return p
 
 
 def main(argv: list[str] | None = None) -> PreprocessSummary:
     args = build_parser().parse_args(argv)
+    warn_ignored("preprocess_data.py", vars(args).pop("ignored_flags", ()))
     try:
         return preprocess(args)
     except PreprocessError as exc:
