@@ -12,6 +12,12 @@ the speed-up against the first run (the baseline), and peak memory of the proces
 largest single process's RSS) sampled every 0.2 s, and CPU seconds used (MB per CPU
 second does not depend on what else the machine is running; MB/s does). Also the reader alone (decompress +
 cut into blocks), which bounds what any number of workers can reach.
+
+The floor: the same documents' texts, already parsed into one Python list, tokenized by
+one `SentencePieceProcessor.encode(texts, num_threads=workers)` call, timed in this
+process next to each run (`floor_s`, `floor_cpu_s`). `vs_floor` = our wall time over the
+floor's (target <= 1.15), `cpu_vs_floor` the same for CPU seconds (steadier on a
+shared machine). Runs and floors are interleaved --repeats times; medians are reported.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import json
 import os
 import random
 import resource
+import statistics
 import sys
 import tempfile
 import threading
@@ -31,7 +38,7 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lev.data.corpus import iter_blocks, python_corpus_records, write_jsonl  # noqa: E402
+from megatron_lev.data.corpus import iter_blocks, python_corpus_records, read_documents, write_jsonl  # noqa: E402
 from megatron_lev.data.preprocess import build_parser, preprocess  # noqa: E402
 from megatron_lev.data.tokenizer import train_sentencepiece, training_sentences  # noqa: E402
 
@@ -112,6 +119,20 @@ def read_only_rate(path: str) -> float:
     return nbytes / (time.perf_counter() - start) / 1e6
 
 
+def corpus_texts(path: str) -> list[str]:
+    return [record.texts[0] for record in read_documents(path)]
+
+
+def time_floor(model: str, texts: list[str], threads: int) -> tuple[float, float]:
+    """(wall s, CPU s) of one batch encode of every text: what the tokenizer alone costs."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=model)
+    cpu, start = time.process_time(), time.perf_counter()
+    sp.encode(texts, out_type=int, num_threads=threads)
+    return time.perf_counter() - start, time.process_time() - cpu
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
@@ -120,6 +141,7 @@ def main() -> None:
     parser.add_argument("--tokenizer-model", default=None, help="use this SentencePiece model instead of training")
     parser.add_argument("--work-dir", default=None, help="where the corpus and outputs go (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved run/floor pairs per worker count")
     args = parser.parse_args()
 
     work = args.work_dir or tempfile.mkdtemp(prefix="bench_preprocess_")
@@ -139,20 +161,30 @@ def main() -> None:
               "reader_only_MBps": round(read_only_rate(corpus), 1), "runs": []}
     baseline = None
     base_pss = psutil.Process().memory_full_info().pss
+    texts = corpus_texts(corpus)
     for workers in args.workers:
         prefix = os.path.join(work, f"out_w{workers}", "bench")
         flags = build_parser().parse_args(["--input", corpus, "--output-prefix", prefix, "--tokenizer-type",
                                            "SentencePieceTokenizer", "--tokenizer-model", model, "--append-eod",
                                            "--workers", str(workers), "--log-interval", "0"])
-        cpu_before = cpu_seconds()
-        with PeakMemory() as memory:
-            summary = preprocess(flags, log=io.StringIO())
-        cpu = cpu_seconds() - cpu_before
-        run = {"workers": workers, "seconds": round(summary.seconds, 2),
-               "docs_per_s": round(summary.documents / summary.seconds, 1),
-               "MBps": round(summary.bytes / summary.seconds / 1e6, 2),
-               "tokens_per_s": round(summary.tokens / summary.seconds),
+        ours, floors = [], []
+        for _ in range(args.repeats):
+            floors.append(time_floor(model, texts, workers))
+            cpu_before = cpu_seconds()
+            with PeakMemory() as memory:
+                summary = preprocess(flags, log=io.StringIO())
+            ours.append((summary.seconds, cpu_seconds() - cpu_before))
+        seconds = statistics.median(s for s, _ in ours)
+        cpu = statistics.median(c for _, c in ours)
+        floor_s = statistics.median(s for s, _ in floors)
+        floor_cpu = statistics.median(c for _, c in floors)
+        run = {"workers": workers, "seconds": round(seconds, 2),
+               "docs_per_s": round(summary.documents / seconds, 1),
+               "MBps": round(summary.bytes / seconds / 1e6, 2),
+               "tokens_per_s": round(summary.tokens / seconds),
                "cpu_s": round(cpu, 1), "MB_per_cpu_s": round(summary.bytes / cpu / 1e6, 2),
+               "floor_s": round(floor_s, 2), "floor_cpu_s": round(floor_cpu, 1),
+               "vs_floor": round(seconds / floor_s, 3), "cpu_vs_floor": round(cpu / floor_cpu, 3),
                "documents": summary.documents, "tokens": summary.tokens,
                "peak_tree_pss_mb": round(memory.peak_pss / 2**20), "peak_tree_pss_over_idle_mb":
                    round((memory.peak_pss - base_pss) / 2**20), "peak_process_rss_mb": round(memory.peak_rss / 2**20)}

@@ -41,6 +41,11 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import zstandard
 
+try:
+    import orjson
+except ImportError:  # optional: the json module decodes the same records, slower
+    orjson = None
+
 from megatron_lev.data import python_text
 from megatron_lev.data.python_text import DEFAULT_PYTHON_SOURCES, DOCUMENT_ORDERS, PYTHON_SOURCES, check_sources
 
@@ -251,6 +256,9 @@ def parse_record(line: bytes, keys: Sequence[str], split_key: str | None = None)
     A record is all-or-nothing: if any key is bad the record is skipped for every key, so
     the per-key datasets stay aligned document for document.
     """
+    fast = _parse_record_fast(line, keys, split_key)
+    if fast is not None:
+        return fast
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -282,6 +290,26 @@ def parse_record(line: bytes, keys: Sequence[str], split_key: str | None = None)
             raise _Bad("missing_split_key", f"no key {split_key!r}") from None
         if not isinstance(subset, str) or not subset:
             raise _Bad("missing_split_key", f"{split_key!r} is {subset!r}, not a non-empty string")
+    return texts, subset
+
+
+def _parse_record_fast(line: bytes, keys: Sequence[str], split_key: str | None) -> tuple[list[str], str | None] | None:
+    """orjson's parse of a good record (about 3x faster than json's), or None: then the
+    json path decides and words the error. orjson refuses invalid UTF-8 and lone
+    surrogate escapes, and its strings equal json's, so a record it accepts gives the
+    same texts."""
+    if orjson is None:
+        return None
+    try:
+        obj = orjson.loads(line)
+        texts = [lookup_key(obj, key) for key in keys]
+        subset = lookup_key(obj, split_key) if split_key is not None else None
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    if not all(isinstance(t, str) and t.strip() for t in texts):
+        return None
+    if split_key is not None and not (isinstance(subset, str) and subset):
+        return None
     return texts, subset
 
 
