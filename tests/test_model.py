@@ -208,7 +208,8 @@ def test_packaged_configs_are_valid_and_share_their_backbone():
     from megatron_lev.configs import available_configs
 
     names = available_configs()
-    for size in ("tiny", "demo", "200m", "400m", "800m", "1.2b", "200m-200k", "400m-200k", "800m-200k", "1.2b-200k"):
+    for size in ("tiny", "demo", "125m", "200m", "400m", "800m", "1.2b",
+                 "125m-200k", "200m-200k", "400m-200k", "800m-200k", "1.2b-200k"):
         prefix = lambda kind: f"{size}-{kind}" if size in ("tiny", "demo") else f"{kind}-{size}"  # noqa: E731
         lev = load_config(prefix("lev"))
         for kind in ("tied", "untied"):
@@ -228,14 +229,14 @@ def test_packaged_configs_are_valid_and_share_their_backbone():
 
 def test_papers_vocabulary_family_overhead_and_isoparametric_depths():
     """The family at the papers' 200,064-entry vocabulary: LEV digits are base 59 x 3, LEV costs
-    0.15-0.5% over tied (the papers: ~0.2%), and lev-X-200k-iso is exactly the planner's
+    0.15-0.7% over tied (the papers: ~0.2%), and lev-X-200k-iso is exactly the planner's
     isoparametric LEV for untied-X-200k (within 1%), saving the table's V x D over untied."""
     from megatron_lev.lev import smallest_base
     from megatron_lev.model import count_parameters
     from megatron_lev.param_count import compare_embeddings, plan_isoparametric
 
     overheads = {}
-    for size in ("200m", "400m", "800m", "1.2b"):
+    for size in ("125m", "200m", "400m", "800m", "1.2b"):
         lev = load_config(f"lev-{size}-200k")
         assert lev["model"] == {**load_config(f"lev-{size}")["model"], "vocab_size": 200064}
         assert lev["training"] == load_config(f"lev-{size}")["training"]
@@ -251,7 +252,7 @@ def test_papers_vocabulary_family_overhead_and_isoparametric_depths():
         assert iso_total == plan["total"] and abs(iso_total / totals["untied"] - 1) <= 0.01
         assert iso["model"]["num_layers"] > lev["model"]["num_layers"]
     assert overheads["1.2b"] == pytest.approx(0.00146, abs=5e-5)  # 2,252,928 / 1,540,188,160
-    assert all(0.001 < o < 0.005 for o in overheads.values()), overheads
+    assert all(0.001 < o < 0.007 for o in overheads.values()), overheads
 
 
 # --------------------------------------------------------------------------- bad configs
