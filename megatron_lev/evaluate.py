@@ -27,11 +27,15 @@ is the token-weighted mean NLL, perplexity exp(loss).
 Frequency-stratified perplexity (`--freq-dataset TRAIN_PREFIX ...`): token types are
 counted over the training data (megatron_lev.evaluation.frequency, cached; only the
 train share of a prefix the evaluation's --split divides, see --freq-split) and bucketed
-(`--buckets`, see megatron_lev.evaluation.buckets); each predicted token's NLL goes to
-its type's bucket. Writes a comparison table vs `--baseline` and one bar chart per
-bucketing.
+(`--buckets`: by training-token mass, by number of types, or by order of magnitude; see
+megatron_lev.evaluation.buckets). Two stratifications, each with a comparison table vs
+`--baseline` and one bar chart per bucketing: by the *predicted* token (a position's NLL
+goes to the bucket of its label; JSON `frequency.bucketings`, freq_<bucketing>.png) and by
+the *input* token at that position (the bucket of the token LEV embeds there; JSON
+`frequency.input_bucketings`, freq_input_<bucketing>.png).
 
-Output (`--output-dir`): evaluation.json, evaluation.md, freq_<bucketing>.png.
+Output (`--output-dir`): evaluation.json, evaluation.md, freq_<bucketing>.png,
+freq_input_<bucketing>.png.
 """
 from __future__ import annotations
 
@@ -227,7 +231,7 @@ def eval_batches(dataset, num_samples: int, micro_batch_size: int, eval_tokens: 
 class ModelScore:
     nll_sum: float = 0.0
     tokens: int = 0
-    by_bucket: dict[str, bk.BucketNLL] = field(default_factory=dict)
+    by_bucket: dict[tuple[str, str], bk.BucketNLL] = field(default_factory=dict)  # (stratum, spec)
 
     @property
     def loss(self) -> float:
@@ -235,20 +239,23 @@ class ModelScore:
 
 
 def score_models(models: list[LoadedModel], batches, bucketings: dict[str, bk.Bucketing]) -> dict[str, ModelScore]:
-    """Every model on every batch (the same tokens for all); NLL sums in float64."""
-    scores = {m.name: ModelScore(by_bucket={k: bk.BucketNLL.zeros(b.num_buckets) for k, b in bucketings.items()})
+    """Every model on every batch (the same tokens for all); NLL sums in float64, per bucket
+    of the predicted token and of the input token (bk.STRATA)."""
+    scores = {m.name: ModelScore(by_bucket={(stratum, k): bk.BucketNLL.zeros(b.num_buckets)
+                                            for stratum in bk.STRATA for k, b in bucketings.items()})
               for m in models}
     for batch in batches:
         mask = batch["loss_mask"] > 0
-        labels = batch["labels"][mask].cpu().numpy()
+        ids = {"predicted": batch["labels"][mask].cpu().numpy(), "input": batch["tokens"][mask].cpu().numpy()}
         for model in models:
             nll = model.token_nll(batch["tokens"], batch["position_ids"], batch["labels"])[mask]
             score = scores[model.name]
             score.nll_sum += float(nll.double().sum())
             score.tokens += int(nll.numel())
             values = nll.cpu().numpy()
-            for key, bucketing in bucketings.items():
-                score.by_bucket[key].add(bucketing, labels, values)
+            for stratum in bk.STRATA:
+                for key, bucketing in bucketings.items():
+                    score.by_bucket[stratum, key].add(bucketing, ids[stratum], values)
     return scores
 
 
@@ -306,28 +313,33 @@ def build_report(models: list[LoadedModel], scores: dict[str, ModelScore], setti
     report["table"] = overall.to_json()
     markdown = [overall.to_markdown()]
     if bucketings:
-        report["frequency"] = {**freq_meta, "bucketings": {}}
-        for spec, bucketing in bucketings.items():
-            per_model = {n: bk.stratified_report(bucketing, counts, scores[n].by_bucket[spec]) for n in names}
-            rows = per_model[names[0]]["buckets"]
-            table = ComparisonTable(
-                f"Perplexity by training-frequency bucket ({bucketing.description})",
-                [r["label"] for r in rows], {n: [r["ppl"] for r in per_model[n]["buckets"]] for n in names},
-                baseline, info_columns={"types": [r["num_types"] for r in rows],
-                                        "train share": [round(r["train_token_share"], 4) for r in rows],
-                                        "eval tokens": [r["eval_tokens"] for r in rows]}, metric_name="perplexity")
-            slug = re.sub(r"[^A-Za-z0-9]+", "_", spec).strip("_")
-            plot = plot_bucket_comparison(table.row_labels, table.values, os.path.join(output_dir, f"freq_{slug}.png"),
-                                          baseline=baseline if len(names) > 1 else None,
-                                          title=f"Perplexity by token frequency ({bucketing.kind} buckets)",
-                                          size_px=plot_size)
-            report["frequency"]["bucketings"][spec] = {
-                "description": bucketing.description, "plot": plot,
-                "buckets": [{k: v for k, v in r.items() if k not in ("eval_tokens", "nll", "ppl")} for r in rows],
-                "models": {n: [{k: r[k] for k in ("eval_tokens", "nll", "ppl")} for r in per_model[n]["buckets"]]
-                           for n in names},
-                "table": table.to_json()}
-            markdown.append(table.to_markdown())
+        report["frequency"] = {**freq_meta, "bucketings": {}, "input_bucketings": {}}
+    for stratum, spec in ((stratum, spec) for stratum in bk.STRATA for spec in bucketings):
+        bucketing = bucketings[spec]  # one table, plot and JSON section per (stratum, bucketing)
+        per_model = {n: bk.stratified_report(bucketing, counts, scores[n].by_bucket[stratum, spec])
+                     for n in names}
+        rows = per_model[names[0]]["buckets"]
+        table = ComparisonTable(
+            f"Perplexity by training-frequency bucket of the {stratum} token ({bucketing.description})",
+            [r["label"] for r in rows], {n: [r["ppl"] for r in per_model[n]["buckets"]] for n in names},
+            baseline, info_columns={"types": [r["num_types"] for r in rows],
+                                    "train share": [round(r["train_token_share"], 4) for r in rows],
+                                    "eval tokens": [r["eval_tokens"] for r in rows]}, metric_name="perplexity")
+        slug = ("" if stratum == "predicted" else f"{stratum}_") + re.sub(r"[^A-Za-z0-9]+", "_", spec).strip("_")
+        plot = plot_bucket_comparison(table.row_labels, table.values, os.path.join(output_dir, f"freq_{slug}.png"),
+                                      baseline=baseline if len(names) > 1 else None,
+                                      title=f"Perplexity by frequency of the {stratum} token "
+                                            f"({bucketing.kind} buckets)",
+                                      xlabel=f"frequency bucket of the {stratum} token (rarest first)",
+                                      size_px=plot_size)
+        section = "bucketings" if stratum == "predicted" else f"{stratum}_bucketings"
+        report["frequency"][section][spec] = {
+            "stratified_by": stratum, "description": bucketing.description, "plot": plot,
+            "buckets": [{k: v for k, v in r.items() if k not in ("eval_tokens", "nll", "ppl")} for r in rows],
+            "models": {n: [{k: r[k] for k in ("eval_tokens", "nll", "ppl")} for r in per_model[n]["buckets"]]
+                       for n in names},
+            "table": table.to_json()}
+        markdown.append(table.to_markdown())
     return report, "\n".join(markdown)
 
 
@@ -357,7 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training data to count token frequencies on: prefixes (summed) or a --data-path "
                         "blend (weights ignored)")
     g.add_argument("--buckets", action="append", metavar="KIND[:N]",
-                   help="quantile[:N buckets] or log[:base]; repeat (default: quantile:5 and log:10)")
+                   help="quantile[:N buckets] (equal token mass), types[:N buckets] (equal type count) or "
+                        "log[:base]; repeat (default: quantile:5 and log:10)")
     g.add_argument("--freq-split", default="auto",
                    help="count only each prefix's train share of this split (e.g. 969,30,1); 'auto' (default): "
                         "the evaluation's split when the --freq-dataset prefixes are the evaluated data; "

@@ -105,7 +105,20 @@ def test_quantile_buckets_exact_small_case():
     assert [r["train_tokens"] for r in b.summary(counts)] == [12, 10, 20, 0]
 
 
-@pytest.mark.parametrize("spec", ["log", "log:2", "quantile", "quantile:10"])
+def test_type_buckets_exact_small_case():
+    # 11 types, 4 buckets by type count. Types rarer than each count level: 0 -> 0, 1 -> 3,
+    # 2 -> 6, 5 -> 8, 10 -> 9, 20 -> 10; bucket = floor(4 * below / 11): 0, 1, 2, 2, 3, 3.
+    counts = np.array([0, 1, 1, 1, 2, 2, 5, 10, 20, 0, 0])
+    b = bk.type_buckets(counts, num_buckets=4)
+    np.testing.assert_array_equal(b.assignment, [0, 1, 1, 1, 2, 2, 2, 3, 3, 0, 0])
+    assert b.labels == ("T1 (0-0)", "T2 (1-1)", "T3 (2-5)", "T4 (10-20)")
+    assert [r["num_types"] for r in b.summary(counts)] == [3, 3, 3, 2]
+    assert bk.build_bucketing("types:4", counts).labels == b.labels
+    # Unlike quantile buckets, a corpus with no tokens still has types to divide.
+    np.testing.assert_array_equal(bk.type_buckets(np.zeros(4, dtype=np.int64), 2).assignment, [0, 0, 0, 0])
+
+
+@pytest.mark.parametrize("spec", ["log", "log:2", "quantile", "quantile:10", "types", "types:10"])
 def test_every_type_in_exactly_one_bucket(spec):
     counts = zipf_counts()
     b = bk.build_bucketing(spec, counts)
@@ -127,6 +140,11 @@ def test_every_type_in_exactly_one_bucket(spec):
         heaviest_level = max(int(c) * int((counts == c).sum()) for c in np.unique(counts))
         for r in summary:  # each bucket's mass is 1/n of the corpus, up to one count level
             assert r["train_tokens"] <= counts.sum() / n + heaviest_level
+    if b.kind == "types":
+        n = b.num_buckets
+        largest_level = max(int((counts == c).sum()) for c in np.unique(counts))
+        for r in summary:  # each bucket holds 1/n of the types, up to one count level
+            assert r["num_types"] <= counts.size / n + largest_level
 
 
 def test_bucket_nll_weighted_by_counts_equals_overall():
@@ -134,7 +152,7 @@ def test_bucket_nll_weighted_by_counts_equals_overall():
     rng = np.random.default_rng(1)
     labels = rng.integers(0, counts.size, size=3000)
     nll = rng.gamma(2.0, 2.0, size=labels.size)
-    for spec in ("log", "quantile:5"):
+    for spec in ("log", "quantile:5", "types:5"):
         b = bk.build_bucketing(spec, counts)
         acc = bk.BucketNLL.zeros(b.num_buckets)
         acc.add(b, labels[:1000], nll[:1000])  # accumulates across batches
@@ -286,7 +304,8 @@ def test_evaluate_perplexity_frequency_tables_and_plots(lev_run, lev_exports, ti
     result = evaluate.main([
         "--model", f"lev={lev_run}", "--model", f"hf={lev_exports['iter4']}", "--model", f"early={lev_exports['iter2']}",
         "--baseline", "early", "--eval-tokens", str(n_tokens), "--micro-batch-size", "3",
-        "--freq-dataset", "1.0", tiny_dataset, "--buckets", "quantile:4", "--buckets", "log", "--device", "cpu",
+        "--freq-dataset", "1.0", tiny_dataset, "--buckets", "quantile:4", "--buckets", "log", "--buckets", "types:4",
+        "--device", "cpu",
         "--output-dir", str(out), "--plot-width", "1000", "--plot-height", "700"])
     assert {k: os.environ.get(k) for k in env_before} == env_before  # no rendezvous variables left behind
     saved = json.load(open(out / "evaluation.json"))
@@ -316,16 +335,31 @@ def test_evaluate_perplexity_frequency_tables_and_plots(lev_run, lev_exports, ti
     expected = np.bincount(np.concatenate([dataset[i] for i in range(begin, end)]).astype(np.int64), minlength=1000)
     np.testing.assert_array_equal(np.load(freq["counts_cache"][0]), expected)
     assert freq["train_split_of"] == SPLIT and freq["train_tokens"] == expected.sum()
-    for spec in ("quantile:4", "log"):
-        section = freq["bucketings"][spec]
-        assert sum(b["num_types"] for b in section["buckets"]) == 1000  # every type, once
-        for name, model in result["models"].items():
-            rows = section["models"][name]
-            assert sum(r["eval_tokens"] for r in rows) == n_tokens
-            weighted = sum(r["eval_tokens"] * r["nll"] for r in rows if r["eval_tokens"]) / n_tokens
-            assert weighted == pytest.approx(model["loss"], rel=1e-9)
-        assert png_size(section["plot"]) == (1000, 700)
-    assert "Perplexity by training-frequency bucket" in (out / "evaluation.md").read_text()
+    # Both stratifications: each position's NLL in the bucket of its predicted token (label)
+    # or of its input token; bucket token counts are those of the evaluated positions' ids.
+    mask = batch["loss_mask"] > 0
+    ids = {"bucketings": batch["labels"][mask].numpy(), "input_bucketings": batch["tokens"][mask].numpy()}
+    for spec in ("quantile:4", "log", "types:4"):
+        bucketing = bk.build_bucketing(spec, expected)
+        per_stratum = {}
+        for key, stratum in (("bucketings", "predicted"), ("input_bucketings", "input")):
+            section = freq[key][spec]
+            assert section["stratified_by"] == stratum
+            assert sum(b["num_types"] for b in section["buckets"]) == 1000  # every type, once
+            for name, model in result["models"].items():
+                rows = section["models"][name]
+                np.testing.assert_array_equal([r["eval_tokens"] for r in rows],
+                                              np.bincount(bucketing.assignment[ids[key]],
+                                                          minlength=bucketing.num_buckets))
+                weighted = sum(r["eval_tokens"] * r["nll"] for r in rows if r["eval_tokens"]) / n_tokens
+                assert weighted == pytest.approx(model["loss"], rel=1e-9)
+            assert png_size(section["plot"]) == (1000, 700)
+            per_stratum[stratum] = [r["nll"] for r in section["models"]["lev"]]
+        assert per_stratum["input"] != per_stratum["predicted"]
+    assert os.path.basename(freq["input_bucketings"]["types:4"]["plot"]) == "freq_input_types_4.png"
+    text = (out / "evaluation.md").read_text()
+    assert "Perplexity by training-frequency bucket of the predicted token" in text
+    assert "Perplexity by training-frequency bucket of the input token" in text
 
     # Training's own valid_loss (TP=2 engine, first 2 global batches of the valid split) is
     # what evaluate gives for the same 1,024 tokens of its iteration-4 checkpoint.
