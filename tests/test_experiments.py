@@ -165,3 +165,19 @@ def test_cluster_plan_gpu_hours_from_the_flops_model():
     assert sum(line.startswith("CONFIG=") for line in lines) == 8 * 3  # 8 runs x 3 seeds
     assert ("CONFIG=lev-1.2b-200k-iso GPU_TYPE=a100 CHECKPOINT_DIR=checkpoints/exp/lev-1.2b-200k-iso-s3 "
             "EXTRA_ARGS=\"--seed 3 --eval-interval 500\" sbatch --nodes=4 slurm/train_lev_1b.sh") in lines
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "--steps needs a positive integer, got '0'"),
+    (["--lanes", "two"], "--lanes needs a positive integer, got 'two'"),
+    (["--seeds", "1 x"], "--seeds needs integers, got 'x'"),
+    (["--frobnicate"], "unknown argument '--frobnicate'"),
+])
+def test_experiment_script_refuses_bad_flags_in_one_line(tmp_path, args, message):
+    import subprocess
+
+    script = os.path.join(os.path.dirname(__file__), "..", "experiments", "run.sh")
+    proc = subprocess.run(["bash", script, "--out", str(tmp_path / "out"), *args], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"experiments/run.sh: {message}" + (
+        " (see --help)" if "unknown" in message else "")
+    assert not (tmp_path / "out").exists()  # nothing built before the flags are checked
