@@ -61,3 +61,14 @@ def build_tiny_dataset(corpus_path: str, tokenizer_model: str, out_dir: str) -> 
     prefix = os.path.join(out_dir, "python")
     run_preprocess(corpus_path, prefix, tokenizer_model, "--append-eod")
     return prefix + "_text_document"
+
+
+def assert_release_modes(folder: str) -> None:
+    """Released folders are readable by group and others: folders 0755, files 0644."""
+    import glob
+    import stat
+
+    paths = [folder, *glob.glob(os.path.join(folder, "**"), recursive=True)]
+    modes = {os.path.relpath(p, folder): stat.S_IMODE(os.stat(p).st_mode) for p in paths}
+    expected = {p: 0o755 if os.path.isdir(os.path.join(folder, p)) else 0o644 for p in modes}
+    assert modes == expected, {p: oct(m) for p, m in modes.items() if m != expected[p]}

@@ -19,7 +19,9 @@ import sys
 import pytest
 import torch
 
+from megatron_lev.safe_load import hf_trust_remote_code
 from tests.distributed import run_distributed
+from tests.fixtures import assert_release_modes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGITS_ATOL = 1e-4  # HF vs ours, float32
@@ -181,7 +183,9 @@ def test_lev_export_loads_with_remote_code(name, exports, reference, prompts):
     assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json")) == sharded
     files = glob.glob(os.path.join(folder, "*.safetensors"))
     assert (len(files) > 1) if sharded else files == [os.path.join(folder, "model.safetensors")]
-    model, logits, tokens = _hf_outputs(folder, prompts, trust_remote_code=True)
+    trust = hf_trust_remote_code(folder)  # its code is byte-identical to ours: no flag needed
+    assert trust is True
+    model, logits, tokens = _hf_outputs(folder, prompts, trust_remote_code=trust)
     assert type(model).__name__ == "LevForCausalLM"
     assert model.lm_head.weight.shape == (1000, 64)  # padding trimmed
     ours_logits, ours_tokens = reference["tp1"][name]
@@ -206,7 +210,7 @@ def test_tied_export_is_standard_llama(exports, reference, prompts):
     from transformers import LlamaForCausalLM
 
     folder = exports["tied_tp2"]
-    assert not glob.glob(os.path.join(folder, "*.py"))
+    assert not glob.glob(os.path.join(folder, "*.py")) and hf_trust_remote_code(folder) is False
     config = json.load(open(os.path.join(folder, "config.json")))
     assert config["model_type"] == "llama" and config["tie_word_embeddings"] and "auto_map" not in config
     model, logits, tokens = _hf_outputs(folder, prompts)
@@ -221,7 +225,7 @@ def test_materialized_lev_is_standard_llama(exports, reference, prompts):
     from transformers import LlamaForCausalLM
 
     folder = exports["lev_tp2_materialized"]
-    assert not glob.glob(os.path.join(folder, "*.py"))
+    assert not glob.glob(os.path.join(folder, "*.py")) and hf_trust_remote_code(folder) is False
     model, logits, tokens = _hf_outputs(folder, prompts)  # no trust_remote_code
     assert type(model) is LlamaForCausalLM and not model.config.tie_word_embeddings
     assert model.model.embed_tokens.weight.shape == (1000, 64)
@@ -249,6 +253,94 @@ def test_exported_tokenizer_matches_training_tokenizer(exports, python_corpus, s
             ids = ours.tokenize(text)
             assert hf(text)["input_ids"] == ids, text[:80]  # no BOS/EOS added, same pieces
             assert hf.decode(ids) == text
+
+
+@pytest.fixture(scope="session")
+def transformers4_python(tmp_path_factory) -> str:
+    """A venv with transformers 4.x (from the package registry) that reuses this venv's torch,
+    safetensors and numpy (a .pth line: `--system-site-packages` would reach the base
+    interpreter's packages, not this venv's). Built once per test session."""
+    venv = tmp_path_factory.mktemp("transformers4") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    import sysconfig
+
+    with open(os.path.join(site, "reuse_outer_venv.pth"), "w") as f:
+        f.write(sysconfig.get_paths()["purelib"] + "\n")
+    # transformers 4.x pins huggingface-hub < 1 and tokenizers < 0.23 (this venv has newer ones).
+    subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", "transformers>=4.45,<5",
+                    "huggingface-hub>=0.34,<1", "tokenizers>=0.22,<0.23"], check=True, timeout=900)
+    return py
+
+
+TRANSFORMERS4_SCRIPT = """
+import json, sys, torch, transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+assert transformers.__version__.startswith("4."), transformers.__version__
+prompt, texts, out = torch.load(sys.argv[1]), json.loads(sys.argv[2]), {"version": transformers.__version__}
+for folder in sys.argv[3:]:
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    with torch.no_grad():
+        logits = model(prompt).logits
+    out[folder] = {"class": type(model).__name__, "tokenizer": type(tokenizer).__name__,
+                   "ids": [tokenizer(t)["input_ids"] for t in texts], "logits": logits.tolist()}
+print(json.dumps(out))
+"""
+
+
+def test_exports_load_in_transformers_4(exports, reference, prompts, transformers4_python, spm_tokenizer, tmp_path):
+    """The tied export and the materialized LEV export load in transformers 4.x (no remote
+    code) with the same logits as our model and the training tokenizer's ids."""
+    from megatron_lev.data.tokenizer import build_tokenizer
+
+    torch.save(prompts, tmp_path / "prompt.pt")
+    texts = ["def f(x):\n    return x  # ünïcode", "  two spaces\tand a tab"]
+    folders = {exports["tied_tp2"]: "tied_tp2", exports["lev_tp2_materialized"]: "lev_tp2"}
+    proc = subprocess.run([transformers4_python, "-c", TRANSFORMERS4_SCRIPT, str(tmp_path / "prompt.pt"),
+                           json.dumps(texts), *folders], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    ours = build_tokenizer("SentencePieceTokenizer", spm_tokenizer)
+    for folder, run in folders.items():
+        got = out[folder]
+        assert (got["class"], got["tokenizer"]) == ("LlamaForCausalLM", "PreTrainedTokenizerFast")
+        assert got["ids"] == [ours.tokenize(t) for t in texts]
+        torch.testing.assert_close(torch.tensor(got["logits"]), reference["tp1"][run][0], rtol=0, atol=LOGITS_ATOL)
+
+
+def test_export_metadata_and_model_card(exports, checkpoints):
+    """config.json has torch_dtype beside dtype; tokenizer_config.json a class both transformers
+    4.x and 5.x know; README.md the model card with the run's numbers."""
+    import yaml
+
+    from megatron_lev.convert import find_checkpoint
+
+    info = find_checkpoint(checkpoints["lev_tp2"])
+    for name, dtype in (("lev_tp2", "float32"), ("lev_tp2_bf16", "bfloat16"), ("tied_tp2", "float32")):
+        config = json.load(open(os.path.join(exports[name], "config.json")))
+        assert config["dtype"] == config["torch_dtype"] == dtype
+        assert json.load(open(os.path.join(exports[name], "tokenizer_config.json")))["tokenizer_class"] == \
+            "PreTrainedTokenizerFast"
+    card = open(os.path.join(exports["lev_tp2"], "README.md"), encoding="utf-8").read()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+    tokens = 3 * info.config["training"]["global_batch_size"] * info.config["training"]["seq_length"]
+    from safetensors.torch import load_file
+
+    parameters = sum(t.numel() for f in glob.glob(os.path.join(exports["lev_tp2"], "*.safetensors"))
+                     for t in load_file(f).values())
+    assert f"| training tokens | {tokens:,} |" in card and f"| parameters | {parameters:,} |" in card
+    assert "trust_remote_code=True" in card and "--materialize-embeddings" in card
+    with open(os.path.join(checkpoints["lev_tp2"], "metrics.jsonl")) as f:
+        valid = [json.loads(line)["valid_loss"] for line in f if "valid_loss" in line][-1]
+    metrics = meta["model-index"][0]["results"][0]["metrics"]
+    assert metrics[0] == {"type": "loss", "name": "validation loss", "value": round(valid, 4)}
+    plain = open(os.path.join(exports["lev_tp2_materialized"], "README.md"), encoding="utf-8").read()
+    assert "trust_remote_code" not in plain and "LlamaForCausalLM" in plain
 
 
 # --------------------------------------------------------------------------- round trip
@@ -303,13 +395,19 @@ def test_export_import_at_other_tp_export_is_identical(checkpoints, exports, tmp
 
 
 def test_tied_import_into_pipeline_round_trips(exports, tmp_path):
-    """tied TP=2 -> HF -> checkpoint at PP=2 (pipeline layer files, tied module) -> HF: identical."""
+    """tied TP=2 -> HF -> checkpoint at PP=2 (pipeline layer files, tied module) -> HF: identical.
+    The import, written under umask 077, is readable by group and others."""
     from megatron_lev.convert import find_checkpoint
     from megatron_lev.hf.cli import convert_from_hf_main, convert_to_hf_main
 
     imported = str(tmp_path / "imported_pp2")
-    assert convert_from_hf_main(["--load", exports["tied_tp2"], "--save", imported,
-                                 "--pipeline-model-parallel-size", "2"]) == 0
+    old_umask = os.umask(0o077)
+    try:
+        assert convert_from_hf_main(["--load", exports["tied_tp2"], "--save", imported,
+                                     "--pipeline-model-parallel-size", "2"]) == 0
+    finally:
+        os.umask(old_umask)
+    assert_release_modes(imported)
     info = find_checkpoint(imported)
     assert (info.pipeline_model_parallel_size, info.layout) == (2, "pipeline")
     again = str(tmp_path / "hf_again")
