@@ -15,6 +15,11 @@ DeepSpeed reads checkpoints with `weights_only=False`. `check_checkpoint_files` 
 `.pt` file of a checkpoint safely first (memory-mapped: only the pickles are parsed, no
 tensor bytes are read), and `use_safe_checkpoint_engine` makes DeepSpeed's own loads go
 through `safe_torch_load` too.
+
+Hugging Face folders: `hf_trust_remote_code` gives the `trust_remote_code` to load one with:
+False for plain transformers classes, True for a LEV export whose code is byte-identical to
+this package's, a refusal naming the file otherwise (unless the user passed
+--trust-remote-code).
 """
 from __future__ import annotations
 
