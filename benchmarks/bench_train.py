@@ -47,7 +47,10 @@ import torch
 if not torch.cuda.is_available():  # before DeepSpeed is imported: its CPU accelerator
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-KINDS = ("lev", "tied", "untied")
+KINDS = ("lev", "tied", "untied", "plain")
+# plain: the tied model as a plain transformers LlamaForCausalLM (same shape, padded vocabulary,
+# tied embeddings) trained by a plain PyTorch loop: torch AdamW (its default implementation),
+# gradient clipping, float32 cross entropy. `tied_over_plain` is our framework's overhead.
 
 
 @dataclass(frozen=True)
@@ -117,13 +120,18 @@ def dataset_batches(prefix: str, vocab_size: int, micro_batch_size: int, seq_len
     return list(windows)
 
 
-def as_inputs(window: torch.Tensor, device) -> dict:
-    """[b, s + 1] ids -> the trainer's micro-batch (tokens, labels, loss_mask, position_ids)."""
-    tokens, labels = window[:, :-1], window[:, 1:]
+def as_inputs(window: torch.Tensor, device, vocab_size: int) -> dict:
+    """[b, s + 1] ids -> the trainer's micro-batch (tokens, labels, loss_mask, position_ids, and
+    LEV's distinct ids as the trainer's data loader computes them on CPU)."""
+    from megatron_lev.lev import ids_to_evaluate
+
+    tokens, labels = window[:, :-1].contiguous(), window[:, 1:]
     b, s = tokens.shape
-    return {"tokens": tokens.contiguous().to(device), "labels": labels.contiguous().to(device),
+    lev_ids, lev_inverse = ids_to_evaluate(tokens, vocab_size, unique=True)
+    return {"tokens": tokens.to(device), "labels": labels.contiguous().to(device),
             "loss_mask": torch.ones(b, s, device=device),
-            "position_ids": torch.arange(s, device=device).unsqueeze(0).expand(b, s)}
+            "position_ids": torch.arange(s, device=device).unsqueeze(0).expand(b, s),
+            "lev_ids": lev_ids.to(device), "lev_inverse": lev_inverse.to(device)}
 
 
 # --------------------------------------------------------------------------- engines
@@ -159,17 +167,59 @@ def trainer_argv(size: Size, kind: str, bf16: bool, num_layers: Optional[int] = 
     return argv
 
 
+class PlainLlamaEngine:
+    """The tied model as transformers' LlamaForCausalLM in a plain PyTorch training loop,
+    called like a DeepSpeed engine (engine(tokens, ...), backward, step)."""
+
+    def __init__(self, model_config, args, device):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        c = model_config
+        hf_config = LlamaConfig(
+            vocab_size=c.padded_vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
+            num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_query_groups, head_dim=c.kv_channels, max_position_embeddings=c.seq_length,
+            rms_norm_eps=c.layernorm_epsilon, rope_theta=c.rotary_base, tie_word_embeddings=True,
+            attention_bias=False, mlp_bias=False, attn_implementation="sdpa",
+            dtype=torch.bfloat16 if args.bf16 else torch.float32)
+        self.model = LlamaForCausalLM(hf_config).to(device=device, dtype=torch.bfloat16 if args.bf16 else torch.float32)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
+                                           eps=args.adam_eps, weight_decay=args.weight_decay)
+        self.clip_grad = args.clip_grad
+
+    def train(self):
+        self.model.train()
+
+    def __call__(self, tokens, position_ids=None, labels=None, loss_mask=None, **_):
+        logits = self.model(input_ids=tokens, position_ids=position_ids).logits
+        losses = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+        return (losses * loss_mask.flatten()).sum() / loss_mask.sum()
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
 def build_run(size: Size, kind: str, bf16: bool, num_layers: Optional[int] = None) -> Run:
     from megatron_lev.arguments import parse_args, validate_args
     from megatron_lev.ds_config import build_deepspeed_config
     from megatron_lev.model import count_parameters
     from megatron_lev.train import build_engine, build_model_config, flops_model
 
-    args = validate_args(parse_args(trainer_argv(size, kind, bf16, num_layers)), world_size=1)
+    plain = kind == "plain"
+    args = validate_args(parse_args(trainer_argv(size, "tied" if plain else kind, bf16, num_layers)), world_size=1)
     ds_config = build_deepspeed_config(args)
     model_config = build_model_config(args)
     before = _cuda_allocated_gb()
-    engine = build_engine(args, model_config, ds_config)
+    if plain:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        engine = PlainLlamaEngine(model_config, args, device)
+    else:
+        engine = build_engine(args, model_config, ds_config)
     static = None if before is None else _cuda_allocated_gb() - before
     return Run(kind, engine, model_config, flops_model(model_config, size.seq_length),
                count_parameters(model_config)["total"], static)
@@ -185,6 +235,8 @@ def _cuda_allocated_gb() -> Optional[float]:
 def train_steps(run: Run, batches: list[dict], start: int, steps: int) -> None:
     """`steps` timed optimizer steps (one micro-batch each) on batches[start:], as the
     trainer's train_step does them."""
+    from megatron_lev.train import model_inputs
+
     engine = run.engine
     engine.train()
     cuda = torch.cuda.is_available()
@@ -195,7 +247,7 @@ def train_steps(run: Run, batches: list[dict], start: int, steps: int) -> None:
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         t0, c0 = time.perf_counter(), time.process_time()
-        loss = engine(b["tokens"], position_ids=b["position_ids"], labels=b["labels"], loss_mask=b["loss_mask"])
+        loss = engine(b["tokens"], **model_inputs(b))
         engine.backward(loss)
         engine.step()
         if cuda:
@@ -204,7 +256,7 @@ def train_steps(run: Run, batches: list[dict], start: int, steps: int) -> None:
         run.step_times.append(time.perf_counter() - t0)
         run.cpu_times.append(time.process_time() - c0)
         run.losses.append(float(loss.detach()))
-        run.distinct_ids.append(int(torch.unique(b["tokens"]).numel()))
+        run.distinct_ids.append(b["lev_ids"].numel())
 
 
 def summarize(run: Run, size: Size, peak_flops: Optional[float]) -> dict:
@@ -284,7 +336,10 @@ def bench_size(name: str, size: Size, kinds, *, bf16: bool, device, data_path: O
 
 
 def _ratios(kinds: dict, key: str) -> dict:
-    return {f"{k}_over_tied": v[key] / kinds["tied"][key] for k, v in kinds.items() if k != "tied"}
+    ratios = {f"{k}_over_tied": v[key] / kinds["tied"][key] for k, v in kinds.items() if k not in ("tied", "plain")}
+    if "plain" in kinds:  # our framework against a plain PyTorch loop on the same model
+        ratios["tied_over_plain"] = kinds["tied"][key] / kinds["plain"][key]
+    return ratios
 
 
 def environment(device) -> dict:

@@ -66,6 +66,7 @@ TRAINING_DEFAULTS = {
     "recompute_method": None,
     "recompute_num_layers": None,
     "sequence_parallel": False,
+    "compile_layers": False,
     "data_path": None,
     "split": "969,30,1",
     "train_data_path": None,
@@ -172,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="full: checkpoint chunks of --recompute-num-layers (uniform), or the first "
                    "--recompute-num-layers layers of each stage (block)")
     g.add_argument("--recompute-num-layers", type=int)
+    g.add_argument("--compile-layers", action=argparse.BooleanOptionalAction,
+                   help="torch.compile each decoder layer (fuses RoPE, SwiGLU, RMSNorm and residual adds; "
+                   "as torchtitan does); the Slurm scripts turn it on for GPUs")
     g.add_argument("--seed", type=int)
 
     g = p.add_argument_group("model overrides (change the YAML's model: section)")

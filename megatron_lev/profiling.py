@@ -29,7 +29,8 @@ HOST_SYNC_OPS = frozenset({
 })
 # Operators that only allocate or relabel memory: no kernel.
 NO_KERNEL_OPS = frozenset({
-    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::lift_fresh", "aten::detach",
+    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty", "aten::new_empty_strided",
+    "aten::lift_fresh", "aten::detach",
     "aten::set_", "aten::resize_", "aten::_unsafe_view", "aten::clone_noop",
 })
 

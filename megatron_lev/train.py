@@ -186,6 +186,10 @@ def build_engine(args, model_config, ds_config: dict):
         mpu = parallel.DeepSpeedMPU()
     if torch.cuda.is_available():
         module = module.cuda()
+    if getattr(args, "compile_layers", False):
+        from megatron_lev.model import compile_decoder_layers
+
+        compile_decoder_layers(module)
     offload = offloads_optimizer(ds_config)
     optimizer = build_optimizer(module, lr=args.lr, weight_decay=args.weight_decay,
                                 betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, offload=offload)

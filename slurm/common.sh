@@ -270,6 +270,7 @@ build_commands() {
         --tensorboard-dir "$TENSORBOARD_DIR"
         --deepspeed-config "$DEEPSPEED_CONFIG"
         --gpu-type "$GPU_TYPE"
+        --compile-layers  # torch.compile each decoder layer: fused RoPE/SwiGLU/RMSNorm (docs/performance.md)
     )
     if [[ $BF16 == 1 ]]; then train_args+=(--bf16); else train_args+=(--no-bf16); fi
     read -r -a extra <<<"${EXTRA_ARGS:-}"
