@@ -15,6 +15,18 @@ A JSON may also give a number for any of them; it must then equal the flag (a si
 disagreement between the two is how batch-size bugs happen). The optimizer and LR
 schedule are built by the trainer (optim.py), so `optimizer`/`scheduler` sections are
 refused, as is fp16 (bf16 or fp32 only).
+
+Gradients are reduced across data-parallel ranks in fp32 (`communication_data_type`,
+set in every shipped JSON and defaulted here), whatever the model dtype. What each
+engine does with it in DeepSpeed 0.19 (read from its source):
+
+    ZeRO-1 + bf16   BF16_Optimizer: fp32 gradient buffers, one all-reduce after the last
+                    micro-batch's backward (engine.allreduce_bucket casts to the
+                    communication dtype; no overlap, bucket/overlap settings unused)
+    ZeRO-1 fp32     DeepSpeedZeroOptimizer, fp32 throughout
+    ZeRO-2          DeepSpeedZeroOptimizer: fp32 `grad_accum` per parameter, reduced in
+                    buckets during backward (overlap_comm) in the communication dtype
+    ZeRO-3          reduce-scatter of each bucket in the communication dtype, fp32 partitions
 """
 from __future__ import annotations
 
@@ -98,6 +110,9 @@ def build_deepspeed_config(args) -> dict:
     _fill(cfg, "gradient_clipping", float(args.clip_grad), "--clip-grad", path)
     bf16 = cfg.setdefault("bf16", {})
     _fill(bf16, "enabled", bool(args.bf16), "--bf16", path)
+    # DeepSpeed reduces gradients in the model dtype unless told otherwise: bf16 all-reduces would
+    # round the fp32-accumulated gradients to 8 bits of mantissa (Megatron reduces in fp32).
+    cfg.setdefault("communication_data_type", "fp32")
     cfg.setdefault("steps_per_print", 10**9)  # we log ourselves
     cfg.setdefault("wall_clock_breakdown", False)
     args.deepspeed_config_path = str(path)
