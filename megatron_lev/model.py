@@ -520,10 +520,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = target - vocab_start
         in_range = (local >= 0) & (local < v)
         local = local.clamp(0, v - 1).unsqueeze(-1)
-        maxima = torch.cat([logits[i:i + chunk].float().amax(-1) for i in chunks])
+        maxima = _cat([logits[i:i + chunk].float().amax(-1) for i in chunks])
         if group is not None:
             torch.distributed.all_reduce(maxima, torch.distributed.ReduceOp.MAX, group=group)
-        sums = torch.cat([(logits[i:i + chunk].float() - maxima[i:i + chunk, None]).exp_().sum(-1) for i in chunks])
+        sums = _cat([(logits[i:i + chunk].float() - maxima[i:i + chunk, None]).exp_().sum(-1) for i in chunks])
         target_logits = logits.gather(-1, local).squeeze(-1).float() * in_range
         if group is not None:
             torch.distributed.all_reduce(sums, group=group)
@@ -536,13 +536,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         logits, local, in_range, lse = ctx.saved_tensors
-        grad = torch.empty_like(logits)
+        grad = None if logits.shape[0] <= ctx.chunk else torch.empty_like(logits)
         for i in range(0, logits.shape[0], ctx.chunk):
             j = slice(i, i + ctx.chunk)
             softmax = (logits[j].float() - lse[j, None]).exp_()
             softmax.scatter_add_(-1, local[j], -in_range[j, None].float())
-            grad[j] = softmax.mul_(grad_loss[j, None])
+            softmax.mul_(grad_loss[j, None])
+            if grad is None:  # one chunk: no copy into a gradient buffer
+                return softmax.to(logits.dtype), None, None, None
+            grad[j] = softmax
         return grad, None, None, None
+
+
+def _cat(chunks: list) -> torch.Tensor:
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
 def vocab_parallel_cross_entropy_float32(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -48,8 +48,8 @@ def test_chunked_cross_entropy_equals_megatron_without_a_float32_copy(single_ran
     logits[..., 190:] = float("-inf")  # vocabulary padding
     labels = torch.randint(0, 190, (3, 7), generator=g)
     mask = (torch.rand(3, 7, generator=g) > 0.3).float()
-    monkeypatch.setattr(model_module, "CROSS_ENTROPY_CHUNK_BYTES", 4 * 200 * 2)  # 2 tokens a chunk: 11 chunks
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, chunk_bytes in ((torch.float32, 1 << 29), (torch.float32, 4 * 200 * 2), (torch.bfloat16, 4 * 200 * 2)):
+        monkeypatch.setattr(model_module, "CROSS_ENTROPY_CHUNK_BYTES", chunk_bytes)  # one chunk; 2 tokens a chunk
         ours = logits.to(dtype).detach().clone().requires_grad_()
         theirs = logits.to(dtype).detach().clone().requires_grad_()
         loss = model_module.language_model_loss(ours, labels, mask)
