@@ -27,6 +27,7 @@ setup(
         "tokenizers>=0.19",
         "zstandard>=0.22",
         "tensorboard>=2.14",
+        "tqdm>=4.60",  # progress bars of evaluation, token counting, conversion
     ],
     extras_require={
         "hf": ["transformers>=5.0", "safetensors>=0.4", "protobuf>=3.20"],  # protobuf: SentencePiece -> tokenizer.json

@@ -203,8 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(an empty or missing directory starts fresh)")
     g.add_argument("--save-interval", type=int)
     g.add_argument("--keep-last-checkpoints", type=int, metavar="K", help="delete all but the newest K")
-    g.add_argument("--no-load-optim", "--finetune", dest="no_load_optim", action="store_true",
-                   help="load weights only (fresh optimizer, schedule and counters: Megatron's --finetune)")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="load weights only (fresh optimizer, schedule and counters)")
 
     g = p.add_argument_group("evaluation, logging, exit")
     g.add_argument("--eval-interval", type=int)
@@ -423,6 +423,13 @@ def _schedule_in_samples(args: argparse.Namespace) -> None:
         raise ConfigError("--start-weight-decay must lie in [0, --end-weight-decay]")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other")
+
+
+def derive_vocab_size(args: argparse.Namespace, tokenizer_vocab_size: int) -> None:
+    """As Megatron: a model section without `vocab_size` takes the tokenizer's (the model pads
+    it to --make-vocab-size-divisible-by x TP); a YAML that sets it keeps its value."""
+    if args.model.get("vocab_size") is None:
+        args.model["vocab_size"] = tokenizer_vocab_size
 
 
 def recompute_setting(args: argparse.Namespace):

@@ -341,7 +341,9 @@ def read_checkpoint(info: CheckpointInfo, replicated_atol: float = 0.0) -> dict[
     config = info.model_config()
     tp = info.tensor_model_parallel_size
     ranks = []
-    for tp_rank in range(tp):
+    from megatron_lev.progress import progress_bar
+
+    for tp_rank in progress_bar(range(tp), f"reading {info.path}", unit="TP rank"):
         if info.layout == "pipeline":
             ranks.append(_pipeline_rank_state(info, tp_rank, config))
         elif info.layout == "zero3":

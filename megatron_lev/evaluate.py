@@ -431,7 +431,10 @@ def run(args) -> dict:
         counts, bucketings, freq_meta = (None, {}, None)
         if args.freq_dataset:
             counts, bucketings, freq_meta = frequency_section(args, settings, models[0].vocab_size)
-        batches = eval_batches(dataset, num_samples, args.micro_batch_size, args.eval_tokens, device)
+        from megatron_lev.progress import progress_bar
+
+        batches = progress_bar(eval_batches(dataset, num_samples, args.micro_batch_size, args.eval_tokens, device),
+                               "scoring", total=math.ceil(num_samples / args.micro_batch_size), unit="batch")
         scores = score_models(models, batches, bucketings)
         report, markdown = build_report(models, scores, settings, baseline, counts, bucketings, freq_meta,
                                         args.output_dir, (args.plot_width, args.plot_height))

@@ -129,6 +129,8 @@ TRAIN_REFUSED = {
     "--num-layers-per-virtual-pipeline-stage": (1, "DeepSpeed's pipeline engine has no interleaved schedule"),
     "--num-experts": (1, "mixture-of-experts models are not implemented"),
     "--expert-model-parallel-size": (1, "mixture-of-experts models are not implemented"),
+    "--finetune": (0, "a weights-only start at iteration 0 is not implemented; --no-load-optim loads the weights "
+                      "without the optimizer state"),
     "--use-checkpoint-args": (0, "--config defines the model; a checkpoint of another model is refused"),
     "--ckpt-format": (1, "checkpoints are DeepSpeed's (tools/convert_to_hf.py / convert_from_hf.py convert)"),
     "--vocab-file": (1, "training takes --tokenizer-model (SentencePiece .model or a Hugging Face folder)"),
@@ -141,7 +143,6 @@ SUPPORTED_NOTES = {
     "--deepspeed-config": "Megatron-DeepSpeed's flag; a path or a packaged name (zero1/2/3, zero3_offload)",
     "--recompute-activations": "selective recompute (core attention), as in Megatron",
     "--lr-decay-style": "default cosine here (Megatron: linear); the packaged configs set it",
-    "--no-load-optim": "also spelled --finetune: weights only, optimizer/schedule/iteration start fresh",
     "--exit-signal-handler": "on by default here (SIGTERM and SIGUSR1)",
     "--log-throughput": "adds TFLOP/s per GPU (and MFU with --gpu-type) to the log line",
     "--local-rank": "the deepspeed launcher's; the rank is read from the environment",
@@ -150,7 +151,8 @@ SUPPORTED_NOTES = {
 
 # Flags of megatron_lev.train that Megatron-LM does not have.
 TRAIN_OWN_FLAGS = ("--config", "--zero-stage", "--train-tokens", "--keep-last-checkpoints", "--metrics-file",
-                   "--gpu-type", "--peak-tflops", "--max-skipped-steps", "--embedding")
+                   "--gpu-type", "--peak-tflops", "--max-skipped-steps", "--embedding", "--compile-layers",
+                   "--override-checkpoint-args", "--trust-remote-code")
 
 # ------------------------------------------------------------------------- preprocess_data.py
 
@@ -192,10 +194,33 @@ def flag_table() -> str:
         rows += [(tool, f, "refused", reason) for f, (_, reason) in refused.items()]
     counts = {s: sum(r[2] == s for r in rows) for s in ("supported", "ignored (warning)", "refused")}
     lines = [f"{counts['supported']} supported, {counts['ignored (warning)']} ignored with a warning, "
-             f"{counts['refused']} refused with the reason.", "",
+             f"{counts['refused']} refused with the reason. Flags of ours alone: "
+             + ", ".join(f"`{f}`" for f in TRAIN_OWN_FLAGS) + "; in preprocessing "
+             + ", ".join(f"`{f}`" for f in PREPROCESS_OWN_FLAGS) + ".", "",
              "| Megatron-LM | flag | here | why |", "| --- | --- | --- | --- |"]
     lines += [f"| {tool} | `{flag}` | {status} | {why} |" for tool, flag, status, why in rows]
     return "\n".join(lines) + "\n"
 
 
-PREPROCESS_OWN_FLAGS = ("--split-by-key", "--chunk-size-mb", "--strict", "--max-bad-reports")
+PREPROCESS_OWN_FLAGS = ("--split-by-key", "--chunk-size-mb", "--strict", "--max-bad-reports", "--allow-truncated")
+
+TABLE_HEADING = "## Megatron-LM flag → here"
+
+
+def write_flag_table(page: str) -> None:
+    """Replace the table under TABLE_HEADING in `page` (docs/training.md) with flag_table():
+    `python -m megatron_lev.megatron_flags docs/training.md` after adding a flag."""
+    from megatron_lev.data.corpus import atomic_path
+
+    with open(page, encoding="utf-8") as f:
+        text = f.read()
+    counts_line = text.index(" supported, ", text.index(TABLE_HEADING))  # the table starts with its counts
+    first = text.rindex("\n", 0, counts_line) + 1
+    end = text.find("\n## ", first)
+    end = len(text) if end == -1 else end + 1
+    with atomic_path(page) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(text[:first] + flag_table() + text[end:])
+
+
+if __name__ == "__main__":
+    write_flag_table(sys.argv[1])

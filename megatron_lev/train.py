@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_lev import checkpointing, parallel
-from megatron_lev.arguments import (ConfigError, effective_config, format_config, parse_args, summarize_config,
-                                    validate_args)
+from megatron_lev.arguments import (ConfigError, derive_vocab_size, effective_config, format_config, parse_args,
+                                    summarize_config, validate_args)
 from megatron_lev.ds_config import build_deepspeed_config, offloads_optimizer
 from megatron_lev.flops import FlopsModel, peak_flops_per_device, training_flops
 from megatron_lev.metrics import MetricsWriter
@@ -141,7 +141,7 @@ def check_resume_schedule(args, saved: dict, config: dict) -> None:
     """Megatron's rule: resuming with another LR/WD schedule (a longer --train-iters, a new
     --lr, ...) is refused unless --override-opt_param-scheduler (use the flags) or
     --use-checkpoint-opt_param-scheduler (keep the checkpoint's) says which one wins.
-    Weights-only loads (--no-load-optim) start a fresh schedule."""
+    Weights-only loads (--no-load-optim) follow the flags' schedule (the trainer re-steps it)."""
     if args.no_load_optim or args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
         return
     changed = schedule_mismatch(saved.get("training", {}), config["training"])
@@ -577,13 +577,14 @@ def main(argv=None) -> int:
         args = parse_args(argv)
         validate_args(args, launch.world_size)
         ds_config = build_deepspeed_config(args)
-        model_config = build_model_config(args)
         prefixes = data_prefixes(args)
         if not os.path.exists(args.tokenizer_model):
             raise ConfigError(f"--tokenizer-model {args.tokenizer_model}: no such file")
         from megatron_lev.data.tokenizer import build_tokenizer
 
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        derive_vocab_size(args, tokenizer.vocab_size)
+        model_config = build_model_config(args)
         check_vocab(args, tokenizer, prefixes, model_config.vocab_size)
         config = effective_config(args, model_config.to_dict())
         config["deepspeed"] = ds_config

@@ -112,7 +112,7 @@ def test_docs_table_is_the_parsers():
     with open(os.path.join(REPO, "docs", "training.md"), encoding="utf-8") as f:
         page = f.read()
     table = flag_table()
-    assert table in page
+    assert table in page, "regenerate it: python -m megatron_lev.megatron_flags docs/training.md"
     counts = [int(n) for n in re.match(r"(\d+) supported, (\d+) ignored with a warning, (\d+) refused", table).groups()]
     rows = [line for line in table.splitlines() if line.startswith("| pretrain_gpt.py") or
             line.startswith("| preprocess_data.py")]

@@ -134,3 +134,36 @@ def test_rerun_reuses_everything_and_other_input_is_refused(demo, tmp_path):
     proc = quickstart("--quick", "--out", layout.out, "--input", str(other))
     assert proc.returncode == 2
     assert f"{layout.out} was built from 'python documentation" in proc.stderr
+
+
+def test_publish_writes_the_demo_numbers_into_docs(demo, tmp_path):
+    """`demo publish` (run by the default demo) copies the demo's own numbers and plots into
+    docs/, where README.md quotes them (tests/test_readme.py)."""
+    layout, _ = demo
+    proc = subprocess.run([sys.executable, "-m", "megatron_lev.demo", "publish", "--out", layout.out, "--docs",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = read_json(tmp_path / "demo_results.json")
+    losses = read_json(layout.valid_loss)
+    assert {n: r["final"] for n, r in results["valid_loss"].items()} == {n: r["final"] for n, r in losses.items()}
+    evaluation = read_json(os.path.join(layout.eval_ppl, "evaluation.json"))
+    assert results["perplexity"]["values"] == {n: m["ppl"] for n, m in evaluation["models"].items()}
+    change = 100 * (evaluation["models"]["lev"]["ppl"] / evaluation["models"]["tied"]["ppl"] - 1)
+    assert results["perplexity"]["relative_change_pct"]["lev"] == pytest.approx(change, rel=1e-9)
+    curves = read_json(os.path.join(layout.eval_curves, "curves.json"))
+    assert results["tokens_to_baseline_final"]["lev"]["speedup"] == curves["runs"]["lev"]["speedup_vs_baseline"]
+    markdown = (tmp_path / "demo_results.md").read_text()
+    assert f"{losses['lev']['final']:.4f}" in markdown and f"{losses['tied']['final']:.4f}" in markdown
+    for name, (folder, file) in {"demo_freq_quantile_5.png": (layout.eval_ppl, "freq_quantile_5.png"),
+                                 "demo_loss_vs_tokens.png": (layout.eval_curves, "loss_vs_tokens.png")}.items():
+        assert (tmp_path / name).read_bytes() == open(os.path.join(folder, file), "rb").read()
+
+
+def test_mistyped_input_writes_nothing(tmp_path):
+    """A --input that names nothing fails in one line before the folder records its input, so
+    the corrected command can use the same --out."""
+    out = tmp_path / "demo"
+    proc = quickstart("--quick", "--out", str(out), "--input", str(tmp_path / "typo.jsonl"))
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == f"quickstart.sh: --input {tmp_path / 'typo.jsonl'}: no such file or directory"
+    assert not os.path.exists(Layout.under(str(out)).inputs_file)

@@ -257,8 +257,11 @@ def test_resume_refuses_a_different_model_naming_the_fields(tmp_path):
         checkpointing.check_resume_compatible(str(tmp_path), tag, other)
     assert str(err.value) == (
         f"--load {tmp_path}: checkpoint iter_0000003 was saved with a different model config (embedding: 'lev' in "
-        "the checkpoint, 'tied' now; hidden_size: 64 in the checkpoint, 128 now; tensor_model_parallel_size: 1 in "
-        "the checkpoint, 2 now); resume with the checkpoint's settings or use a new --save directory")
+        "the checkpoint, 'tied' now; hidden_size: 64 in the checkpoint, 128 now); resume with the checkpoint's "
+        "settings or use a new --save directory")
+    # Another parallel layout is not refused: it resumes through a universal checkpoint (tests/test_bf16.py).
+    assert checkpointing.layout_changes(str(tmp_path), tag, other) == ["tensor_model_parallel_size: 1 -> 2"]
+    assert checkpointing.layout_changes(str(tmp_path), tag, same) == []
 
 
 def test_flops_formula():
@@ -273,3 +276,21 @@ def test_flops_formula():
     assert table.lev_flops_per_distinct_token() == 0
     assert peak_flops_per_device("h100", None) == 989e12 and peak_flops_per_device("a100", 100.0) == 100e12
     assert peak_flops_per_device(None, None) is None
+
+
+def test_vocab_size_follows_the_tokenizer_unless_pinned(tmp_path):
+    """A model section without vocab_size takes the tokenizer's, padded as Megatron pads
+    (--make-vocab-size-divisible-by x TP); a pinned one stays."""
+    from megatron_lev.arguments import derive_vocab_size
+    from megatron_lev.train import build_model_config
+
+    yaml_path = tmp_path / "unpinned.yaml"
+    yaml_path.write_text("base: tiny-lev\nmodel:\n  vocab_size: null\n")
+    args = validate_args(parse_args(["--config", str(yaml_path), *DATA, "--tensor-model-parallel-size", "2",
+                                     "--make-vocab-size-divisible-by", "128"]), 2)
+    derive_vocab_size(args, 8000)
+    config = build_model_config(args)
+    assert (config.vocab_size, config.padded_vocab_size) == (8000, 8192)  # multiple of 128 x 2
+    pinned = args_for()
+    derive_vocab_size(pinned, 8000)
+    assert build_model_config(pinned).vocab_size == 1000  # tiny-lev.yaml sets it

@@ -25,6 +25,7 @@ usage: bash tools/quickstart.sh [--input PATH_OR_GLOB]... [--out DIR] [--steps N
               folders; repeatable). Default: a corpus of Python's own documentation (no download).
   --out DIR   where everything goes (default: $repo/demo). A folder built from other --input is refused.
   --steps N   training iterations of each model (default: the config's, demo-lev.yaml).
+              The default run (no --input, --steps or --quick) also refreshes docs/demo_results.*.
   --quick     a reduced run (500 documents, tiny-lev/tiny-tied, 30 steps): the test suite's mode.
 EOF
 }
@@ -120,7 +121,21 @@ if [[ -f $inputs_file && "$(cat "$inputs_file")" != "$source_spec" ]]; then
         "pass another --out, or delete $out" >&2
     exit 2
 fi
-[[ -f $inputs_file ]] || echo "$source_spec" > "$inputs_file"
+if [[ ${#inputs[@]} -gt 0 ]]; then  # a mistyped --input fails here, before anything is written
+    "$py" -c 'import sys; from megatron_lev.data.corpus import expand_inputs
+try:
+    expand_inputs(sys.argv[1:])
+except (OSError, ValueError) as exc:
+    sys.exit(f"quickstart.sh: {exc}")' "${inputs[@]}"
+fi
+if [[ ! -f $inputs_file ]]; then
+    # Fresh data: whatever an earlier, failed attempt left of the data stages came from other input.
+    rm -f "$corpus" "$tokenizer" "${tokenizer%.model}.vocab" "$dataset.bin" "$dataset.idx"
+    echo "$source_spec" > "$inputs_file"
+fi
+# Until the dataset exists, a failure leaves the folder reusable with other --input.
+forget_inputs_unless_built() { [[ -f $dataset.idx ]] || rm -f "$inputs_file"; }
+trap forget_inputs_unless_built EXIT
 if [[ ${#inputs[@]} -eq 0 ]]; then
     stage corpus "corpus: Python's own documentation in Pile format -> $corpus" "$corpus" "$inputs_file" -- \
         "$py" -m megatron_lev.data.corpus "$corpus" ${max_documents:+--max-documents "$max_documents"}
@@ -137,6 +152,7 @@ stage preprocess "preprocess: tools/preprocess_data.py (2 workers) -> $dataset.{
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$tokenizer" --append-eod --workers 2
 
 # --- 5. training, 2 processes each
+steps_given=$steps
 if [[ -z $steps ]]; then
     steps=${default_steps:-$("$py" -c 'import sys; from megatron_lev.configs import load_config
 print(load_config(sys.argv[1])["training"]["train_iters"])' "$lev_config")}
@@ -168,7 +184,7 @@ train() {  # NAME CONFIG SAVE_DIR PARALLEL_FLAGS...: train, or resume an interru
     echo "${cmd[*]}" >> "$run/train.log"
     # The full output goes to train.log; the terminal gets the progress lines.
     if ! "${cmd[@]}" 2>&1 | tee -a "$run/train.log" \
-            | { grep --line-buffered -E ' iteration |^ (valid|test) \||resumed from|saved checkpoint|training done|^megatron_lev.train: error' || true; }; then
+            | { grep --line-buffered -E '\] iteration | (validation|test) loss at |resumed from|saved checkpoint|training done|^megatron_lev.train: error' || true; }; then
         echo "quickstart.sh: training $name failed; the end of $run/train.log:" >&2
         tail -n 40 "$run/train.log" >&2
         exit 1
@@ -209,3 +225,8 @@ stage generate "generate with transformers (AutoModelForCausalLM, trust_remote_c
 
 banner "summary ($summary_md)"
 "$py" -m megatron_lev.demo summary --out "$out"
+# The default demo (our corpus, full size, the configs' run length) refreshes docs/demo_results.*
+# and the plots the README shows, so its figures always come from the current code.
+if [[ ${#inputs[@]} -eq 0 && $quick == 0 && -z $steps_given ]]; then
+    "$py" -m megatron_lev.demo publish --out "$out" --docs "$repo/docs"
+fi

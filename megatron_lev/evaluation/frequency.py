@@ -85,7 +85,10 @@ def _count(prefix: str, vocab_size: int, chunk_tokens: int, sequences: tuple[int
     itemsize = np.dtype(dtype).itemsize
     start = int(index.sequence_pointers[begin])
     total = int(index.sequence_lengths[begin:end].sum(dtype=np.int64))
-    for first in range(0, total, chunk_tokens):
+    from megatron_lev.progress import progress_bar
+
+    for first in progress_bar(range(0, total, chunk_tokens), f"counting tokens of {os.path.basename(prefix)}",
+                              unit="chunk"):
         n = min(chunk_tokens, total - first)
         chunk = dataset.bin_reader.read(dtype=dtype, count=n, offset=start + first * itemsize)
         top = int(chunk.max())

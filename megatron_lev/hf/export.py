@@ -4,8 +4,12 @@ and tools/convert_from_hf.py).
 Export (`export_checkpoint`): a checkpoint of any TP / PP / ZeRO layout is merged into one
 full state dict (megatron_lev.convert), renamed to transformers' LLaMA names and written as
 
-    config.json  generation_config.json  model.safetensors (or shards + index)
+    config.json  generation_config.json  model.safetensors (or shards + index)  README.md
     tokenizer.json  tokenizer_config.json  [tokenizer.model]
+
+(config.json has `torch_dtype` beside `dtype` and tokenizer_config.json names
+`PreTrainedTokenizerFast`, so transformers 4.x loads the folder as 5.x does; README.md is
+the model card, with Hub model-index metadata.)
     configuration_lev.py  modeling_lev.py  lev.py                (embedding: lev only)
 
 `embedding: lev` becomes `LevForCausalLM` (remote code, `auto_map`); with
@@ -32,6 +36,7 @@ RoPE needs no permutation: model.py rotates two halves (`rotate_half`), as trans
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -39,6 +44,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import yaml
 
 from megatron_lev.convert import LEV_PREFIX, CheckpointError, expected_parameter_names
 from megatron_lev.model import LeviathanConfig, model_config_from_dict
@@ -95,8 +101,11 @@ def materialize_lev_table(full: dict[str, torch.Tensor], cfg: LeviathanConfig, c
     lev_cfg = cfg.lev_config()
     generator = LEVGenerator(lev_cfg, dtype=full[LEV_PREFIX + "w_out"].dtype)
     generator.load_full_parameters({name: full[LEV_PREFIX + name] for name, _ in generator.named_parameters()})
+    from megatron_lev.progress import progress_bar
+
     ids = torch.arange(cfg.vocab_size)
-    return torch.cat([generator(ids[start:start + chunk]) for start in range(0, cfg.vocab_size, chunk)])
+    return torch.cat([generator(ids[start:start + chunk]) for start in
+                      progress_bar(range(0, cfg.vocab_size, chunk), "materializing LEV embeddings", unit="chunk")])
 
 
 def to_hf_state_dict(full: dict[str, torch.Tensor], cfg: LeviathanConfig, materialize: bool = False) -> dict[str, torch.Tensor]:
@@ -352,6 +361,96 @@ def write_tokenizer(tokenizer, out_dir: str, model_max_length: int) -> None:
         pad_token=piece(tokenizer.pad), unk_token=piece(unk), model_max_length=model_max_length,
         clean_up_tokenization_spaces=False)
     hf.save_pretrained(out_dir)
+    # transformers 5 names its own class (TokenizersBackend), which transformers 4.x and the
+    # vLLM builds that pin it cannot import; both map PreTrainedTokenizerFast to tokenizer.json.
+    _update_json(os.path.join(out_dir, "tokenizer_config.json"), tokenizer_class="PreTrainedTokenizerFast")
+
+
+def _update_json(path: str, **keys) -> None:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    data.update(keys)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+@dataclass
+class Provenance:
+    """What the model card says about where the weights come from (all optional)."""
+
+    iteration: Optional[int] = None
+    tokens: Optional[int] = None  # training tokens seen
+    data: Optional[str] = None  # --data-path (or --train-data-path)
+    valid_loss: Optional[float] = None  # the run's last validation loss at or before the checkpoint
+    source: Optional[str] = None  # the checkpoint folder
+
+
+def run_provenance(info) -> Provenance:
+    """A checkpoint's provenance: iteration, tokens (iterations x global batch x sequence),
+    data paths and its run's last logged validation loss (metrics.jsonl)."""
+    training = info.config.get("training") or {}
+    tokens = info.iteration * training["tokens_per_step"] if training.get("tokens_per_step") else None
+    data = training.get("data_path") or training.get("train_data_path")
+    valid = None
+    metrics = training.get("metrics_file") or os.path.join(info.load_dir, "metrics.jsonl")
+    if metrics and os.path.isfile(metrics):
+        with open(metrics, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if "valid_loss" in record and record.get("iteration", 0) <= info.iteration:
+                    valid = float(record["valid_loss"])
+    return Provenance(iteration=info.iteration, tokens=tokens, data=" ".join(map(str, data)) if data else None,
+                      valid_loss=valid, source=info.path)
+
+
+def model_card(name: str, cfg: LeviathanConfig, parameters: int, dtype: torch.dtype, materialize: bool,
+               provenance: Provenance) -> str:
+    """README.md: Hub metadata (model-index with the validation loss when known), then what
+    the model is and how to load it, with and without remote code."""
+    remote = cfg.embedding == "lev" and not materialize
+    kind = ("Leviathan (LEV embedding generator, remote code LevForCausalLM)" if remote else
+            "LLaMA-architecture decoder (LlamaForCausalLM)" +
+            (", LEV embeddings materialized into a table" if cfg.embedding == "lev" else f", {cfg.embedding} embeddings"))
+    meta = {"library_name": "transformers", "pipeline_tag": "text-generation",
+            "tags": ["megatron_lev", "leviathan" if cfg.embedding == "lev" else "llama", "llama"]}
+    if provenance.valid_loss is not None:
+        dataset = os.path.basename(provenance.data.split()[-1]) if provenance.data else "validation split"
+        meta["model-index"] = [{"name": name, "results": [{
+            "task": {"type": "text-generation", "name": "Causal language modeling"},
+            "dataset": {"type": dataset, "name": dataset, "split": "validation"},
+            "metrics": [{"type": "loss", "name": "validation loss", "value": round(provenance.valid_loss, 4)},
+                        {"type": "perplexity", "name": "validation perplexity",
+                         "value": round(math.exp(min(provenance.valid_loss, 50.0)), 2)}]}]}]
+    load = (f'model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)' if remote else
+            f'model = AutoModelForCausalLM.from_pretrained("{name}")')
+    rows = [("architecture", kind),
+            ("parameters", f"{parameters:,}"),
+            ("layers x hidden size", f"{cfg.num_layers} x {cfg.hidden_size} ({cfg.num_attention_heads} heads, "
+                                     f"{cfg.num_query_groups or cfg.num_attention_heads} kv heads)"),
+            ("vocabulary", f"{cfg.vocab_size:,}"), ("context length", f"{cfg.seq_length:,}"),
+            ("weights dtype", str(dtype).replace("torch.", "")),
+            ("training iterations", f"{provenance.iteration:,}" if provenance.iteration is not None else "unknown"),
+            ("training tokens", f"{provenance.tokens:,}" if provenance.tokens is not None else "unknown"),
+            ("training data", f"`{provenance.data}`" if provenance.data else "unknown"),
+            ("validation loss", f"{provenance.valid_loss:.4f} (perplexity {math.exp(min(provenance.valid_loss, 50)):.2f})"
+             if provenance.valid_loss is not None else "not measured")]
+    lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "", f"# {name}", "",
+             f"Exported by megatron_lev's `tools/convert_to_hf.py`"
+             + (f" from `{provenance.source}`." if provenance.source else "."), "",
+             "| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows), "",
+             "## Load", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+             f'tokenizer = AutoTokenizer.from_pretrained("{name}")', load, "```", ""]
+    if remote:
+        lines += ["The LEV generator is Python code shipped in this folder (`modeling_lev.py`, `lev.py`), hence "
+                  "`trust_remote_code=True`. Without remote code, export with `--materialize-embeddings`: the "
+                  "generated table makes a standard `LlamaForCausalLM` with the same outputs.", ""]
+    lines += ["The tokenizer adds no BOS/EOS when encoding (pre-training saw none); documents end with "
+              "the EOS token.", ""]
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- export
@@ -388,7 +487,7 @@ def _finish_output(tmp: str, output: str) -> None:
 
 def save_hf_model(full: dict[str, torch.Tensor], cfg: LeviathanConfig, output: str, tokenizer,
                   dtype: Optional[torch.dtype] = None, materialize: bool = False,
-                  max_shard_size: str | int = "5GB") -> str:
+                  max_shard_size: str | int = "5GB", provenance: Optional[Provenance] = None) -> str:
     """Write a full state dict as a Hugging Face folder (temp folder, renamed when complete)."""
     from transformers import GenerationConfig
 
@@ -402,6 +501,12 @@ def save_hf_model(full: dict[str, torch.Tensor], cfg: LeviathanConfig, output: s
         write_safetensors(state, tmp, max_shard_size)
         config = hf_config(cfg, tokens, dtype, materialize)
         config.save_pretrained(tmp)
+        # transformers >= 4.56 reads `dtype`, older 4.x (and tools pinned to them) `torch_dtype`.
+        _update_json(os.path.join(tmp, "config.json"), torch_dtype=str(dtype).replace("torch.", ""))
+        parameters = sum(t.numel() for k, t in state.items() if not (cfg.embedding == "tied" and k == "lm_head.weight"))
+        with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
+            f.write(model_card(os.path.basename(os.path.abspath(output)), cfg, parameters, dtype, materialize,
+                               provenance or Provenance()))
         GenerationConfig(bos_token_id=tokens.bos, eos_token_id=tokens.eos, pad_token_id=tokens.pad).save_pretrained(tmp)
         if cfg.embedding == "lev" and not materialize:
             for name, source in REMOTE_CODE_FILES.items():
@@ -434,7 +539,8 @@ def export_checkpoint(load_dir: str, output: str, iteration: Optional[int] = Non
         tokenizer_type = tokenizer_type or training.get("tokenizer_type")
     tokenizer = load_tokenizer(tokenizer_type, tokenizer_model, cfg.vocab_size, flag)
     full = read_checkpoint(info)
-    return save_hf_model(full, cfg, output, tokenizer, DTYPES[dtype] if dtype else None, materialize, max_shard_size)
+    return save_hf_model(full, cfg, output, tokenizer, DTYPES[dtype] if dtype else None, materialize, max_shard_size,
+                         provenance=run_provenance(info))
 
 
 def read_hf_model(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
