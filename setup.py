@@ -37,7 +37,8 @@ setup(
         "mpi": ["mpi4py>=3.1"],
         "test": ["pytest>=8", "transformers>=5.0", "safetensors>=0.4", "protobuf>=3.20", "matplotlib>=3.7", "lm-eval>=0.4.5",
                  "accelerate>=0.26",  # lm-eval's HF model class imports accelerate
-                 "triton>=3.2"],  # LEV's CUDA kernels, tested on CPU under TRITON_INTERPRET=1
+                 "triton>=3.2",  # LEV's CUDA kernels, tested on CPU under TRITON_INTERPRET=1
+                 "mpi4py>=3.1"],  # the mpirun launch is trained in a test (Open MPI: tools/run_tests.sh)
     },
     entry_points={"console_scripts": [
         "megatron-lev-train=megatron_lev.cli:train",

@@ -262,6 +262,7 @@ build_commands() {
     [[ -z $GLOBAL_BATCH ]] || train_args+=(--global-batch-size "$GLOBAL_BATCH")
     [[ -n ${TRAIN_TOKENS:-} ]] && train_args+=(--train-tokens "$TRAIN_TOKENS")
     [[ -n ${TRAIN_ITERS:-} ]] && train_args+=(--train-iters "$TRAIN_ITERS")
+    [[ -n ${EXIT_INTERVAL:-} ]] && train_args+=(--exit-interval "$EXIT_INTERVAL")  # checkpoint and stop there
     train_args+=(
         --save "$CHECKPOINT_DIR"
         --load "$CHECKPOINT_DIR"  # empty on the first run: starts fresh; resumes after a requeue
@@ -388,6 +389,7 @@ launch_training() {
         require_int "$var" "${!var}" 1
     done
     [[ -z ${MICRO_BATCH:-} ]] || require_int MICRO_BATCH "$MICRO_BATCH" 1
+    [[ -z ${EXIT_INTERVAL:-} ]] || require_int EXIT_INTERVAL "$EXIT_INTERVAL" 1
     require_int MAX_REQUEUES "$MAX_REQUEUES"
     [[ -z ${TRAIN_TOKENS:-} || -z ${TRAIN_ITERS:-} ]] || die "set TRAIN_TOKENS or TRAIN_ITERS, not both"
     [[ $BF16 == 0 || $BF16 == 1 ]] || die "BF16=$BF16: expected 0 or 1"

@@ -3,18 +3,26 @@
 # Extra arguments go to pytest, e.g. `bash tools/run_tests.sh -k lev -x`.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-py=$(env EXTRAS=test bash "$repo/tools/setup_env.sh" | tail -n 1)
-# tests/test_slurm.py lints every shell script with shellcheck (a Debian/Ubuntu package).
-if ! command -v shellcheck >/dev/null 2>&1; then
+# System packages the tests use, from the Debian/Ubuntu archive, installed when missing:
+# the shellcheck linter (tests/test_slurm.py lints every shell script) and Open MPI (a test trains
+# under mpirun; its headers let pip build mpi4py where no wheel fits). Before the Python
+# environment, which installs mpi4py.
+missing=()
+command -v shellcheck >/dev/null 2>&1 || missing+=(shellcheck)
+command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
+command -v mpicc >/dev/null 2>&1 || missing+=(libopenmpi-dev)
+if ((${#missing[@]})); then
     sudo=""
     [[ $(id -u) == 0 ]] || sudo="sudo"
     if ! command -v apt-get >/dev/null 2>&1 \
-        || ! { $sudo apt-get update -qq && $sudo apt-get install -y -qq shellcheck; } >&2; then
-        echo "run_tests.sh: shellcheck is missing and could not be installed with apt-get;" \
-            "install it (https://github.com/koalaman/shellcheck#installing) and rerun" >&2
+        || ! { $sudo apt-get update -qq && $sudo apt-get install -y -qq "${missing[@]}"; } >&2; then
+        echo "run_tests.sh: ${missing[*]} missing and could not be installed with apt-get; install them" \
+            "(shellcheck: https://github.com/koalaman/shellcheck#installing; Open MPI: your package manager)" \
+            "and rerun" >&2
         exit 1
     fi
 fi
+py=$(env EXTRAS=test bash "$repo/tools/setup_env.sh" | tail -n 1)
 cd "$repo"
 export DS_ACCELERATOR=cpu
 exec "$py" -m pytest -q -p no:cacheprovider tests "$@"
