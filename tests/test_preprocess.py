@@ -140,7 +140,7 @@ def test_bad_input_counted_and_reported(tmp_path, tokenizer, spm_tokenizer):
     gz = gzip.compress(b"".join(line + b"\n" for line in zst_lines[:50]))
     (folder / "c.jsonl.gz").write_bytes(gz[: len(gz) // 2])
     prefix = str(tmp_path / "out" / "bad")
-    summary, log = run_preprocess(str(folder), prefix, spm_tokenizer, "--append-eod")
+    summary, log = run_preprocess(str(folder), prefix, spm_tokenizer, "--append-eod", "--allow-truncated")
     assert summary.bad_counts == {"malformed_json": 1, "missing_key": 1, "non_string_key": 1, "invalid_utf8": 2,
                                   "empty_document": 1, "truncated": 2}
     assert "skipped 8 bad record(s)" in log and "done: " in log
@@ -210,8 +210,9 @@ def test_clear_errors_before_any_work(tmp_path, python_corpus, spm_tokenizer, ca
     assert "error: --tokenizer-model" in err and "missing.model: no such file" in err
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    with pytest.raises(PreprocessError, match="--output-prefix .*cannot write to folder"):
+    with pytest.raises(PreprocessError) as error:
         run_preprocess(python_corpus, str(blocker / "sub" / "prefix"), spm_tokenizer)
+    assert str(error.value) == f"--output-prefix {blocker / 'sub' / 'prefix'}: {blocker} is a file, not a folder"
     with pytest.raises(PreprocessError, match="--input .*no such file"):
         run_preprocess(str(tmp_path / "nope.jsonl"), str(tmp_path / "p"), spm_tokenizer)
     with pytest.raises(PreprocessError, match="--tokenizer-model .*no such file"):
@@ -235,3 +236,115 @@ def test_compact_builder_writes_megatron_builders_bytes(tmp_path):
     for suffix in (".bin", ".idx"):
         assert (tmp_path / f"stock{suffix}").read_bytes() == (tmp_path / f"compact{suffix}").read_bytes()
     assert documents(str(tmp_path / "compact")) == docs
+
+
+def test_damaged_compressed_input_fails_unless_allowed(tmp_path, spm_tokenizer, capsys):
+    """A truncated .zst/.gz would silently shorten the shard: one error line naming the
+    file:line and --allow-truncated, exit 1, no output (the Slurm array task fails)."""
+    rng = np.random.default_rng(1)
+    lines = [encode({"text": f"doc {i}: " + " ".join(map(str, rng.integers(0, 10**6, 40)))}) for i in range(2000)]
+    zst = tmp_path / "a.jsonl.zst"
+    truncated_zst(str(zst), lines)
+    out = tmp_path / "out"
+    with pytest.raises(PreprocessError) as error:
+        run_preprocess(str(zst), str(out / "z"), spm_tokenizer, "--workers", "2")
+    assert f"{zst}:" in str(error.value) and ": truncated: zstd stream ends mid-frame" in str(error.value)
+    assert str(error.value).endswith("pass --allow-truncated to keep its readable lines")
+    gz = tmp_path / "b.jsonl.gz"
+    data = gzip.compress(b"".join(line + b"\n" for line in lines[:50]))
+    gz.write_bytes(data[: len(data) // 2])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--input", str(gz), "--output-prefix", str(out / "g"), "--tokenizer-type", "SentencePieceTokenizer",
+              "--tokenizer-model", spm_tokenizer, "--workers", "1", "--log-interval", "0"])
+    assert exit_info.value.code == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and f"{gz}:" in err[0] and "truncated .gz file" in err[0] and "--allow-truncated" in err[0]
+    assert output_files(out) == []  # no output, no temporary folder
+
+
+# Workers that never finish a block: the run is still in full flight when the signal comes.
+_SLOW_WORKERS = """
+import sys, time
+from megatron_lev.data import preprocess
+def slow_block(*args, **kwargs):
+    time.sleep(300)
+preprocess.encode_block = slow_block
+preprocess.main(sys.argv[1:])
+"""
+
+
+def test_signal_stops_workers_and_removes_temporary_folder(tmp_path, python_corpus, spm_tokenizer):
+    """SIGTERM (scancel) or SIGINT (Ctrl-C) to preprocess_data.py: the pool's workers are
+    ended, the hidden temporary folder is removed, exit code 128 + signal, one error line."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    procs = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        out = tmp_path / sig.name
+        out.mkdir()
+        cmd = [sys.executable, "-c", _SLOW_WORKERS, "--input", python_corpus, "--output-prefix", str(out / "p"),
+               "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", spm_tokenizer,
+               "--workers", "2", "--chunk-size-mb", "0.01"]
+        procs[sig] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        workers = {}
+        deadline = time.time() + 240
+        for sig, proc in procs.items():
+            while time.time() < deadline and proc.poll() is None:
+                children = psutil.Process(proc.pid).children()
+                if len(children) == 2 and os.listdir(tmp_path / sig.name):
+                    workers[sig] = children
+                    break
+                time.sleep(0.2)
+            assert sig in workers, proc.communicate(timeout=60)
+        assert all(name.startswith(".p.tmp-") for sig in procs for name in os.listdir(tmp_path / sig.name))
+        for sig, proc in procs.items():
+            proc.send_signal(sig)
+        for sig, proc in procs.items():
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 128 + sig, err
+            assert err.strip().splitlines()[-1] == (f"error: interrupted by {sig.name}: workers stopped, temporary "
+                                                    "files removed, no output written")
+            assert os.listdir(tmp_path / sig.name) == []
+            for worker in workers[sig]:
+                assert not worker.is_running(), (sig.name, worker.pid)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_huge_document_tokenized_in_bounded_pieces(tmp_path, tokenizer, spm_tokenizer, monkeypatch):
+    """A document longer than ENCODE_BATCH_CHARS never reaches the tokenizer whole (its
+    working memory grows ~40 bytes a character): it goes in pieces cut at line ends,
+    concatenated into one document, and the run reports it. Normal documents are
+    unchanged; no tokenizer call holds more than two pieces' worth of characters."""
+    from megatron_lev.data import preprocess
+    from megatron_lev.data.tokenizer import SentencePieceTokenizer
+
+    limit = 2000
+    monkeypatch.setattr(preprocess, "ENCODE_BATCH_CHARS", limit)
+    calls = []
+    batch, single = SentencePieceTokenizer.tokenize_batch, SentencePieceTokenizer.tokenize
+    monkeypatch.setattr(SentencePieceTokenizer, "tokenize_batch",
+                        lambda self, texts, **kw: calls.append(sum(map(len, texts))) or batch(self, texts, **kw))
+    monkeypatch.setattr(SentencePieceTokenizer, "tokenize", lambda self, text: calls.append(len(text)) or single(self, text))
+    huge = "".join(f"line {i}: def f(x): return x * {i}\n" for i in range(400))  # ~12k characters
+    small = [f"small document {i}: " + "text " * 30 for i in range(60)]
+    path = tmp_path / "in.jsonl"
+    write_lines(str(path), [encode({"text": t}) for t in small[:30] + [huge] + small[30:]])
+    summary, log = run_preprocess(str(path), str(tmp_path / "out" / "h"), spm_tokenizer, "--append-eod")
+    assert summary.split_documents == 1 and "note: 1 document(s) over 2000 characters" in log
+    pieces = preprocess.split_long_text(huge)
+    assert "".join(pieces) == huge and len(pieces) == 7 and all(p.endswith("\n") for p in pieces)
+    assert max(map(len, pieces)) <= limit
+    expected = [tokenizer.tokenize(t) + [tokenizer.eod] for t in small[:30]]
+    expected.append([i for p in pieces for i in tokenizer.tokenize(p)] + [tokenizer.eod])
+    expected += [tokenizer.tokenize(t) + [tokenizer.eod] for t in small[30:]]
+    assert documents(str(tmp_path / "out" / "h_text_document")) == expected
+    assert len(huge) > 5 * limit and max(calls) <= 2 * limit

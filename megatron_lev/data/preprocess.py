@@ -34,7 +34,9 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -53,6 +55,19 @@ from megatron_lev.megatron_flags import (PREPROCESS_IGNORED, PREPROCESS_REFUSED,
 
 class PreprocessError(RuntimeError):
     """A run that cannot start or must stop; the message names the flag or file:line."""
+
+
+class PreprocessInterrupted(BaseException):
+    """SIGTERM/SIGINT arrived: workers are stopped and the temporary folder removed on the
+    way out (BaseException: no `except Exception` on the way swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# Damaged compressed input: an error unless --allow-truncated.
+DAMAGED_KINDS = ("truncated", "corrupt")
 
 
 # ---------------------------------------------------------------------------------------
@@ -148,6 +163,11 @@ _WORKER_TOKENIZER = None
 
 def _init_worker(tokenizer_type: str, tokenizer_model: str) -> None:
     global _WORKER_TOKENIZER
+    # Forked workers inherit the main process's handlers: SIGTERM (from the main process
+    # stopping them) just ends a worker; Ctrl-C reaches the whole process group, and the
+    # main process stops the workers itself.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER_TOKENIZER = build_tokenizer(tokenizer_type, tokenizer_model)
 
 
@@ -157,10 +177,12 @@ def _init_worker(tokenizer_type: str, tokenizer_model: str) -> None:
 ENCODE_BATCH_CHARS = 1 << 20
 
 
-def split_long_text(text: str, limit: int = ENCODE_BATCH_CHARS) -> list[str]:
-    """`text` in pieces of at most `limit` characters, cut after a newline where there is
-    one (a single huge document is tokenized piece by piece, so memory stays bounded).
-    Pieces are tokenized separately: tokens at a cut may differ from one whole encode."""
+def split_long_text(text: str, limit: int | None = None) -> list[str]:
+    """`text` in pieces of at most `limit` (ENCODE_BATCH_CHARS) characters, cut after a
+    newline where there is one (a single huge document is tokenized piece by piece, so
+    memory stays bounded). Pieces are tokenized separately: tokens at a cut may differ
+    from one whole encode."""
+    limit = limit or ENCODE_BATCH_CHARS
     if len(text) <= limit:
         return [text]
     pieces, start = [], 0
@@ -277,6 +299,7 @@ class PreprocessSummary:
     bad_counts: dict[str, int]
     bad_examples: list[BadCase]
     outputs: dict[tuple[str | None, str], OutputStats]  # (subset, key) -> final prefix and counts
+    split_documents: int = 0  # documents over ENCODE_BATCH_CHARS characters, tokenized in pieces
 
     @property
     def skipped(self) -> int:
@@ -345,6 +368,11 @@ def _output_prefix(prefix: str, subset: str | None, key: str) -> str:
 
 def _make_work_dir(output_prefix: str) -> str:
     folder = os.path.dirname(os.path.abspath(output_prefix))
+    parent = folder
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise PreprocessError(f"--output-prefix {output_prefix}: {parent} is a file, not a folder")
     try:
         os.makedirs(folder, exist_ok=True)
         return tempfile.mkdtemp(prefix=f".{os.path.basename(output_prefix)}.tmp-", dir=folder)
@@ -368,11 +396,36 @@ def preprocess(args: argparse.Namespace, log=sys.stderr) -> PreprocessSummary:
     if len(set(keys)) != len(keys):
         raise PreprocessError(f"--json-keys {' '.join(keys)}: a key is repeated")
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    work_dir = _make_work_dir(args.output_prefix)
-    try:
-        return _run(args, files, tokenizer, keys, dtype, work_dir, log)
-    finally:
-        shutil.rmtree(work_dir, ignore_errors=True)
+    with _signals_interrupt():
+        work_dir = _make_work_dir(args.output_prefix)
+        try:
+            return _run(args, files, tokenizer, keys, dtype, work_dir, log)
+        finally:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+class _signals_interrupt:
+    """SIGTERM (Slurm's scancel, the time limit) and SIGINT raise PreprocessInterrupted in
+    the main thread, once: the clean-up that follows is not interrupted again. Installed
+    only in the main thread (signal handlers can only be set there)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __enter__(self):
+        self.previous = {}
+        self.received = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def _handle(self, signum, frame):
+        if self.received is None:
+            self.received = signum
+            raise PreprocessInterrupted(signum)
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def _run(args, files, tokenizer, keys, dtype, work_dir, log) -> PreprocessSummary:
@@ -386,13 +439,20 @@ def _run(args, files, tokenizer, keys, dtype, work_dir, log) -> PreprocessSummar
     subset_names: dict[str, str] = {}  # file-name part -> subset, to catch two subsets sharing one
     bad_counts: collections.Counter = collections.Counter()
     bad_examples: list[BadCase] = []
+    split_documents = 0
     print(f"preprocessing {len(files)} file(s), {progress.total / 1e9:.2f} GB, keys {list(keys)}, "
           f"{args.workers} worker(s), dtype {np.dtype(dtype).name}, tokenizer {tokenizer.describe()}",
           file=log, flush=True)
 
     def merge(result: BlockResult) -> None:
+        nonlocal split_documents
         if args.strict and result.bad_examples:
             raise PreprocessError(f"{result.bad_examples[0]} (--strict)")
+        damaged = [case for case in result.bad_examples if case.kind in DAMAGED_KINDS]
+        if damaged and not args.allow_truncated:
+            raise PreprocessError(f"{damaged[0]}: the file is damaged and its tail would be missing from the "
+                                  "output; re-download it, or pass --allow-truncated to keep its readable lines")
+        split_documents += result.split_documents
         for case in result.bad_examples:
             if len(bad_examples) < args.max_bad_reports:
                 bad_examples.append(case)
@@ -446,11 +506,13 @@ def _run(args, files, tokenizer, keys, dtype, work_dir, log) -> PreprocessSummar
             while in_flight:
                 merge(in_flight.popleft().result())
         except BrokenProcessPool as exc:
+            _stop_workers(pool)
             raise PreprocessError(f"a worker process died ({exc}); if it was killed for memory, "
                                   "lower --workers or --chunk-size-mb") from None
-        finally:
-            # Blocks already running finish (seconds) before the work folder is removed.
-            pool.shutdown(wait=True, cancel_futures=True)
+        except BaseException:  # an error or a signal: nothing running is needed any more
+            _stop_workers(pool)
+            raise
+        pool.shutdown(wait=True)
 
     if not builders:
         raise PreprocessError(f"--input {' '.join(args.input)}: no valid documents "
@@ -473,9 +535,24 @@ def _run(args, files, tokenizer, keys, dtype, work_dir, log) -> PreprocessSummar
                 os.replace(tmp + suffix, stats.prefix + suffix)
     elapsed = time.monotonic() - progress.start
     summary = PreprocessSummary(progress.documents, progress.tokens, progress.bytes, elapsed,
-                                dict(bad_counts), bad_examples, outputs)
+                                dict(bad_counts), bad_examples, outputs, split_documents)
     _print_summary(summary, dtype, log)
     return summary
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """End the pool's worker processes now (SIGTERM, then wait for them): none is left
+    running, or orphaned, once the run has failed or was interrupted."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def _print_summary(s: PreprocessSummary, dtype, log) -> None:
@@ -483,6 +560,10 @@ def _print_summary(s: PreprocessSummary, dtype, log) -> None:
     print(f"done: {s.documents} documents, {s.tokens} tokens, {s.bytes / 1e6:.1f} MB in {s.seconds:.1f}s "
           f"({s.documents / rate:.1f} docs/s, {s.bytes / rate / 1e6:.2f} MB/s, {_human(s.tokens / rate)} tokens/s)",
           file=log)
+    if s.split_documents:
+        print(f"note: {s.split_documents} document(s) over {ENCODE_BATCH_CHARS} characters were tokenized in "
+              "pieces cut at line ends (memory stays bounded; tokens at a cut may differ from one whole encode)",
+              file=log)
     if s.skipped:
         kinds = ", ".join(f"{k} {s.bad_counts[k]}" for k in BAD_KINDS if s.bad_counts.get(k))
         print(f"skipped {s.skipped} bad record(s): {kinds}", file=log)
@@ -515,6 +596,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=10000, help="documents between progress lines")
     g.add_argument("--strict", action="store_true", help="fail on the first bad record instead of skipping it")
     g.add_argument("--max-bad-reports", type=int, default=10, help="bad records reported with file:line")
+    g.add_argument("--allow-truncated", action="store_true",
+                   help="keep the readable lines of a truncated or corrupt .gz/.zst file (reported) instead of "
+                        "failing the run")
     add_compat_flags(p, PREPROCESS_IGNORED, PREPROCESS_REFUSED)
     return p
 
@@ -527,3 +611,7 @@ def main(argv: list[str] | None = None) -> PreprocessSummary:
     except PreprocessError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    except PreprocessInterrupted as exc:
+        print(f"error: interrupted by {exc}: workers stopped, temporary files removed, no output written",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + exc.signum) from None

@@ -51,9 +51,33 @@ class _PretrainingTokenizer(MegatronTokenizerBase):
         raise NotImplementedError(f"{type(self).__name__} is a pre-training tokenizer: it has no chat template")
 
     def describe(self) -> dict:
-        """JSON-able summary (written next to preprocessed datasets)."""
+        """JSON-able summary (written next to preprocessed datasets and into checkpoints'
+        config): `sha256` identifies the tokenizer by content, whatever its path."""
         return {"type": type(self).__name__, "model": os.path.abspath(self.path),
-                "vocab_size": self.vocab_size, **self.special_tokens}
+                "sha256": tokenizer_sha256(self.path), "vocab_size": self.vocab_size, **self.special_tokens}
+
+
+# A Hugging Face tokenizer folder's files that decide its ids and special tokens.
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def tokenizer_sha256(path: str) -> str:
+    """SHA-256 of a tokenizer's content: the model file's bytes, or for a folder, the name
+    and bytes of each of its tokenizer.json, tokenizer_config.json and
+    special_tokens_map.json present. Equal content gives an equal hash at any path."""
+    import hashlib
+
+    sha = hashlib.sha256()
+    files = [os.path.join(path, name) for name in _HF_TOKENIZER_FILES] if os.path.isdir(path) else [path]
+    for file in files:
+        if not os.path.isfile(file):
+            continue
+        if len(files) > 1:
+            sha.update(os.path.basename(file).encode() + b"\0")
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                sha.update(chunk)
+    return sha.hexdigest()
 
 
 class SentencePieceTokenizer(_PretrainingTokenizer):
