@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' first launch (lev_kernels._jit)
+# conftest.py sets it before anything imports triton; this covers running the file alone.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from megatron_lev import lev, lev_kernels  # noqa: E402
 from megatron_lev.data.datasets import collate_pretraining_batch  # noqa: E402
