@@ -14,7 +14,10 @@ LEV_SPEC.md section 1):
 6. output   `e = sum_l M_l @ w_out[l]`                                         [D]
 
 This file is torch-only on purpose: the Hugging Face export copies it verbatim
-beside `modeling_lev.py`. Tensor parallelism lives in `lev_parallel.py`.
+beside `modeling_lev.py`. Tensor parallelism lives in `lev_parallel.py`. On CUDA, step 5
+(and its backward) runs as two fused Triton kernels from `lev_kernels.py` when Triton is
+installed (`FUSED_MODES_DEVICES`); this file's `_SeparableModes` is the reference and the
+CPU path.
 
 Parameters of `LEVGenerator` (names are stable: checkpoints and the HF export
 depend on them). Head-sharded tensors have the head on dim 0; a generator that
