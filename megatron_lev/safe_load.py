@@ -72,13 +72,13 @@ def safe_torch_load(path: str, map_location="cpu", mmap: bool = False):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         message = str(exc)
-        found = re.search(r"GLOBAL (\S+)|Unsupported operand (\S+)|Unsupported class (\S+)", message)
-        what = next((g for g in found.groups() if g), None) if found else None
-        if what is not None or "Weights only load failed" in message:
-            raise UnsafeCheckpointError(
-                f"{path}: refused: loading it would call {what or 'code'}, which is not a type our checkpoints "
-                "hold (torch.load weights_only); it may be hostile or not written by megatron_lev "
-                "(docs/security.md)") from None
+        if "Weights only load failed" in message:  # torch's wording for every refusal
+            called = re.search(r"GLOBAL (\S+)", message)
+            detail = re.search(r"WeightsUnpickler error: ([^\n]+)", message)
+            what = (f"would call {called.group(1)}, which is not a type our checkpoints hold" if called else
+                    f"does what a weights-only load forbids ({detail.group(1) if detail else 'unpickling error'})")
+            raise UnsafeCheckpointError(f"{path}: refused: loading it {what} (torch.load weights_only); it may be "
+                                        "hostile or not written by megatron_lev (docs/security.md)") from None
         raise CheckpointLoadError(f"{path}: cannot be read ({message.splitlines()[0]})") from None
     except Exception as exc:  # truncated, damaged or not a torch file
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
