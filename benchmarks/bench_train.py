@@ -144,7 +144,7 @@ class Run:
     model_config: object
     flops_model: object
     parameters: int
-    static_memory_gb: Optional[float]  # CUDA: memory the engine holds (weights, grads, optimizer)
+    static_memory_gb: Optional[float]  # CUDA: memory the engine holds (weights, grads, optimizer after a step)
     step_times: list = field(default_factory=list)
     cpu_times: list = field(default_factory=list)  # process CPU seconds per step (all threads)
     distinct_ids: list = field(default_factory=list)
@@ -300,9 +300,13 @@ def bench_size(name: str, size: Size, kinds, *, bf16: bool, device, data_path: O
         count = warmup + size.repeats * size.steps
         windows = (dataset_batches(data_path, vocab, size.micro_batch_size, size.seq_length, count) if data_path
                    else zipf_batches(vocab, size.micro_batch_size, size.seq_length, count))
-        batches = [as_inputs(w, device) for w in windows]
+        batches = [as_inputs(w, device, vocab) for w in windows]
         for run in runs.values():  # warm-up steps are not timed
+            before = _cuda_allocated_gb()
             train_steps(run, batches, 0, warmup)
+            if before is not None and warmup:
+                # Adam's moments are allocated by the first optimizer step: they are states too.
+                run.static_memory_gb += _cuda_allocated_gb() - before
             run.step_times, run.cpu_times, run.losses, run.distinct_ids, run.activation_peak_gb = [], [], [], [], 0.0
         for rep in range(size.repeats):
             order = list(kinds[rep % len(kinds):]) + list(kinds[:rep % len(kinds)])

@@ -1,24 +1,20 @@
 #!/usr/bin/env python
-"""One-GPU check of the 1.2B configs (run by benchmarks/gpu_check.sh on an H100/H200):
+"""One-GPU check of the 1.2B configs (run by benchmarks/gpu_check.sh on an A100/H100/H200):
+bf16 training step time, tokens/s, MFU and memory of `lev-1.2b` and `tied-1.2b` and their
+LEV/tied step-time ratio (benchmarks/bench_train.py: the trainer's own DeepSpeed engines,
+ZeRO-1, interleaved repetitions, medians). Memory is read after the warm-up steps, so the
+optimizer's Adam moments (allocated by the first step) are counted. Both engines are
+resident at once; when that does not fit, the micro-batch and then the depth are reduced,
+and the JSON says so (`attempts`, `reduced`). MFU is scored against the peak of the card's
+variant, read from the device name (H100 SXM / PCIe / NVL, H200 / H200 NVL, A100).
 
-1. bf16 training step time, tokens/s, MFU and memory of `lev-1.2b` and `tied-1.2b`
-   (benchmarks/bench_train.py: the trainer's own DeepSpeed engines, ZeRO-1, interleaved
-   repetitions, medians) and the LEV/tied step-time ratio. Both engines are resident at
-   once; when that does not fit, the micro-batch and then the depth are reduced, and the
-   JSON says so (`attempts`, `reduced`).
-2. Sequence parallelism of the LEV embedding vs no sequence parallelism. A real TP group
-   needs one GPU per rank (NCCL refuses two ranks on one device), so on one GPU TP=2 and
-   TP=4 are emulated: each rank's head slice (`LEVGenerator(head_start, head_end)`, the
-   same TP-independent initialisation) computes its partial embedding, gathered to
-   positions (`ParallelLEVEmbedding._to_positions`, as the SP path does); the reduce-scatter
-   is their sum split along the sequence. The ranks' shards, put back together, must equal
-   the TP=1 non-SP module's output; with a one-rank group, the module's own SP path must
-   equal its non-SP path exactly.
+Tensor and sequence parallelism need two GPUs: benchmarks/gpu_check_multi.sh.
 
     python benchmarks/gpu_check.py --output gpu_check.json
-    python benchmarks/gpu_check.py --tiny          # CPU smoke run of the same logic (tiny-* configs)
+    python benchmarks/gpu_check.py --device cpu --tiny     # CPU run of the same logic (tiny configs)
 
-Prints one JSON object (and writes it to --output).
+The JSON is written to --output after every stage (`stages_done`), so a run cut short by a
+time limit keeps what it measured; stdout gets the final object.
 """
 from __future__ import annotations
 
@@ -32,9 +28,6 @@ import time
 
 import torch
 
-if not torch.cuda.is_available():  # before DeepSpeed is imported: its CPU accelerator
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_train  # noqa: E402  (benchmarks/ is not a package)
 
@@ -42,13 +35,27 @@ import bench_train  # noqa: E402  (benchmarks/ is not a package)
 ATTEMPTS = ((None, 16), (None, 8), (11, 8))
 TINY_ATTEMPTS = ((None, 4),)
 
+# Dense bf16 tensor-core peaks (NVIDIA data sheets, TFLOP/s without sparsity) by the variant
+# in the device name; the trainer's --gpu-type peaks (megatron_lev.flops) are the SXM ones.
+GPU_VARIANTS = (  # (substring of the lower-cased name, gpu type, variant, peak TFLOP/s)
+    ("h200 nvl", "h200", "h200-nvl", 835.0),
+    ("gh200", "h200", "gh200", 989.0),
+    ("h200", "h200", "h200-sxm", 989.0),
+    ("h100 nvl", "h100", "h100-nvl", 835.0),
+    ("h100 pcie", "h100", "h100-pcie", 756.0),
+    ("h100", "h100", "h100-sxm", 989.0),
+    ("a100", "a100", "a100", 312.0),
+)
 
-def gpu_type(device: torch.device) -> str | None:
-    """a100 / h100 / h200 from the device name (megatron_lev.flops peaks), else None."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device).lower()
-    return next((kind for kind in ("h200", "h100", "a100") if kind in name), None)
+
+def gpu_variant(device_name: str) -> dict:
+    """{"gpu_type", "variant", "peak_tflops"} for a CUDA device name (torch.cuda.get_device_name),
+    all None for an unknown card (MFU then not reported)."""
+    name = device_name.lower().replace("-", " ")
+    for key, kind, variant, peak in GPU_VARIANTS:
+        if key in name:
+            return {"gpu_type": kind, "variant": variant, "peak_tflops": peak}
+    return {"gpu_type": None, "variant": None, "peak_tflops": None}
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -86,85 +93,54 @@ def training_check(config: str, seq_length: int, attempts, bf16: bool, device, p
     return {"config": config, "attempts": tried, "error": "every setting ran out of memory"}
 
 
-@torch.no_grad()
-def sequence_parallel_check(config: str, device, dtype: torch.dtype, tensor_parallel_sizes=(2, 4), batch: int = 4,
-                            seq_length: int = 512) -> dict:
-    """Emulated TP>1 sequence-parallel LEV output vs the TP=1 non-SP module (see the docstring)."""
-    from megatron_lev.configs import load_config
-    from megatron_lev.lev import LEVConfig, LEVGenerator, ids_to_evaluate
-    from megatron_lev.lev_parallel import ParallelLEVEmbedding
-
-    model = load_config(config)["model"]
-    lev = LEVConfig.from_dict({**model.get("lev", {}), "vocab_size": model["vocab_size"],
-                               "hidden_size": model["hidden_size"]})
-    seed = 1234
-    ids = bench_train.zipf_batches(lev.vocab_size, batch, seq_length - 1, 1)[0].to(device)  # [b, s]
-    b, s = ids.shape
-    kwargs = {"init_seed": seed, "params_dtype": dtype, "device": device}
-    reference = ParallelLEVEmbedding(lev, sequence_parallel=False, **kwargs)(ids)  # [s, b, D]
-    one_rank_sp = ParallelLEVEmbedding(lev, sequence_parallel=True, **kwargs)(ids)
-    # Each rank's partial is cast to the parameter dtype before the reduction, as in the module.
-    tolerance = 1e-5 if dtype == torch.float32 else 2.0 ** -6
-    scale = float(reference.float().abs().max())
-    out = {"config": config, "dtype": str(dtype).replace("torch.", ""), "batch": b, "seq_length": s,
-           "one_rank_group_sp_equals_non_sp": bool(torch.equal(one_rank_sp, reference)),
-           "relative_tolerance": tolerance, "emulated": {}}
-    distinct, inverse = ids_to_evaluate(ids, lev.vocab_size, lev.unique_ids)
-    for tp in tensor_parallel_sizes:
-        if lev.num_heads % tp or s % tp:
-            out["emulated"][f"tp{tp}"] = {"skipped": f"{lev.num_heads} LEV heads / sequence {s} not divisible by {tp}"}
-            continue
-        per_rank = lev.num_heads // tp
-        partials = [ParallelLEVEmbedding._to_positions(
-            LEVGenerator(lev, r * per_rank, (r + 1) * per_rank, init_seed=seed, dtype=dtype, device=device)(distinct)
-            .to(dtype), inverse, b, s) for r in range(tp)]
-        summed = partials[0].clone()
-        for p in partials[1:]:
-            summed += p
-        shards = summed.chunk(tp, dim=0)  # reduce-scatter: rank r keeps positions [r s/tp, (r+1) s/tp)
-        assert all(shard.shape == (s // tp, b, lev.hidden_size) for shard in shards)
-        diff = float((torch.cat(shards).float() - reference.float()).abs().max())
-        out["emulated"][f"tp{tp}"] = {"max_abs_diff": diff, "relative": diff / scale,
-                                      "ok": diff / scale <= tolerance}
-    out["ok"] = out["one_rank_group_sp_equals_non_sp"] and all(
-        r.get("ok", True) for r in out["emulated"].values())
-    return out
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tiny", action="store_true", help="tiny-lev/tiny-tied, fp32, few steps: a CPU smoke run")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: run the logic on the CPU (with --tiny), for tests")
+    p.add_argument("--tiny", action="store_true", help="tiny-lev/tiny-tied, fp32, few steps")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=3, help="timed steps per kind per repetition")
     p.add_argument("--seq-length", type=int, default=512, help="tokens per sequence (the configs' 512)")
-    p.add_argument("--output", help="also write the JSON here")
+    p.add_argument("--output", help="write the JSON here, after every stage")
     return p
+
+
+def save_partial(report: dict, output) -> None:
+    """The report so far, atomically in `output` (a later time-out keeps it)."""
+    if output:
+        from megatron_lev.data.corpus import atomic_path
+
+        with atomic_path(output) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
 
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     started = time.time()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type != "cuda" and not args.tiny:
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check.py: error: torch sees no GPU (torch.cuda.is_available() is False; is the "
-                         "installed torch a CUDA build?). Use --tiny for a CPU smoke run.")
-    from megatron_lev.flops import peak_flops_per_device
-
-    kind = gpu_type(device)
-    peak = peak_flops_per_device(kind, None)
+                         "installed torch a CUDA build?). --device cpu --tiny runs the logic on the CPU.")
+    if args.device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported
+        if not args.tiny:
+            raise SystemExit("gpu_check.py: error: --device cpu needs --tiny (the 1.2B configs are for GPUs)")
+    device = torch.device(args.device)
+    gpu = gpu_variant(torch.cuda.get_device_name(device)) if device.type == "cuda" else gpu_variant("")
+    peak = gpu["peak_tflops"] * 1e12 if gpu["peak_tflops"] else None
     config, bf16 = ("tiny-lev", False) if args.tiny else ("lev-1.2b", True)
-    report = {"check": "gpu_check", "environment": bench_train.environment(device), "gpu_type": kind,
-              "peak_tflops": peak / 1e12 if peak else None, "bf16": bf16}
-    with contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON only (DeepSpeed prints)
-        bench_train.start_process_group(device)
-        report["training"] = training_check(config, 64 if args.tiny else args.seq_length,
-                                            TINY_ATTEMPTS if args.tiny else ATTEMPTS, bf16, device, peak,
-                                            args.repeats, args.steps)
-        dtypes = (torch.float32,) if args.tiny else (torch.float32, torch.bfloat16)
-        report["sequence_parallel"] = [sequence_parallel_check(config, device, dtype,
-                                                               seq_length=64 if args.tiny else 512)
-                                       for dtype in dtypes]
-    report["ok"] = "error" not in report["training"] and all(c["ok"] for c in report["sequence_parallel"])
+    report = {"check": "gpu_check", "environment": bench_train.environment(device), **gpu, "bf16": bf16,
+              "stages_done": []}
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON only (DeepSpeed prints)
+            bench_train.start_process_group(device)
+            report["training"] = training_check(config, 64 if args.tiny else args.seq_length,
+                                                TINY_ATTEMPTS if args.tiny else ATTEMPTS, bf16, device, peak,
+                                                args.repeats, args.steps)
+            report["stages_done"].append("training")
+            save_partial(report, args.output)
+    except KeyboardInterrupt:  # gpu_check.sh's time limit (timeout --signal=INT): keep what was measured
+        report["interrupted"] = "time limit"
+    report["ok"] = "training" in report and "error" not in report["training"]
     report["wall_s"] = time.time() - started
     bench_train.print_json(report, args.output)
     return report

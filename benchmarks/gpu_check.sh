@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One-GPU check for an H100/H200 machine, in under 8 minutes: bf16 step time, tokens/s, MFU and
-# peak memory of lev-1.2b and tied-1.2b (their LEV/tied step-time ratio), and sequence-parallel vs
-# non-SP LEV output. Prints the JSON and writes it to runs/gpu_check.json (OUTPUT=... to change).
+# One-GPU check for an A100/H100/H200 machine, in under 8 minutes: bf16 step time, tokens/s, MFU
+# and peak memory (after the first optimizer step) of lev-1.2b and tied-1.2b, and their LEV/tied
+# step-time ratio (benchmarks/gpu_check.py). Prints the JSON and writes it to runs/gpu_check.json
+# (OUTPUT=... to change) after every stage, so a cut-short run keeps what it measured.
+# Tensor/sequence/data parallelism on 2+ GPUs: benchmarks/gpu_check_multi.sh.
 #
 #   bash benchmarks/gpu_check.sh
 #
@@ -14,31 +16,10 @@
 #                            index (on Linux x86_64 the CUDA build) and the package
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-venv=${VENV:-$repo/.venv}
+# shellcheck source=benchmarks/gpu_check_env.sh
+source "$repo/benchmarks/gpu_check_env.sh"
 output=${OUTPUT:-$repo/runs/gpu_check.json}
-start=$SECONDS
-
-cuda_torch() {  # PYTHON: does its torch see a GPU?
-    "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1
-}
-
-if [[ -n ${PYTHON:-} ]]; then
-    py=$PYTHON
-else
-    if [[ ! -x $venv/bin/python ]] && command -v python3 >/dev/null && cuda_torch python3; then
-        echo "gpu_check.sh: reusing the CUDA torch of $(command -v python3) in $venv" >&2
-        python3 -m venv --system-site-packages "$venv"
-    fi
-    py=$(VENV=$venv EXTRAS="" bash "$repo/tools/setup_env.sh" | tail -n 1)  # no extras needed
-fi
-if ! cuda_torch "$py"; then
-    echo "gpu_check.sh: $py: torch $("$py" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo '(none)')" \
-        "sees no GPU. Install a CUDA build into it, e.g." \
-        "$py -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" >&2
-    exit 1
-fi
-echo "gpu_check.sh: environment ready in $((SECONDS - start)) s: $("$py" -c 'import torch
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}")')" >&2
+gpu_check_python gpu_check.sh 1
 
 cd "$repo"
 mkdir -p "$(dirname "$output")"

@@ -77,6 +77,7 @@ def test_shellcheck_clean():
         pytest.fail("shellcheck is not installed: `bash tools/run_tests.sh` installs it "
                     "(apt-get install shellcheck)")
     scripts = sorted(SLURM.glob("*.sh")) + sorted(SHIMS.iterdir()) + sorted((REPO / "tools").glob("*.sh"))
+    scripts += sorted((REPO / "benchmarks").glob("*.sh"))
     scripts += [REPO / ".ci" / "run"]
     assert len(scripts) >= 8
     proc = subprocess.run([shellcheck, "--external-sources", *map(str, scripts)], cwd=REPO,
