@@ -21,7 +21,7 @@ out=$repo/experiments/out
 seeds="1 2 3"
 steps=200
 lanes=2
-eval_tokens=131072
+eval_tokens=65536
 train_only=0
 while [[ $# -gt 0 ]]; do
     case $1 in
