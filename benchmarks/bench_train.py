@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Training step time and tokens/s of `lev` vs `tied` vs `untied` on the same backbone.
+"""Training step time and tokens/s of `lev` vs `tied` vs `untied` (vs `plain`) on the same backbone.
 
     python benchmarks/bench_train.py                          # the demo size and a 125M model, CPU
     python benchmarks/bench_train.py --sizes demo --repeats 7 --steps 3
@@ -13,6 +13,12 @@ every kind, in an order rotated from one repetition to the next, so load drift o
 shared machine hits all kinds alike; the reported step time is the median over all timed
 steps. A step is one micro-batch: forward, backward, optimizer step.
 
+`plain` is the tied model as a transformers `LlamaForCausalLM` (same shape, tied embeddings,
+padded vocabulary) trained by a plain PyTorch loop (torch AdamW, clipping, float32 cross
+entropy) in the same process and interleaving: `tied_over_plain` is what our framework
+(megatron-core layers, DeepSpeed) costs over plain PyTorch. LEV's distinct ids are computed
+outside the timed step, as the trainer's data loader does.
+
 Tokens: Zipf-distributed synthetic ids by default (natural text's rank-frequency law, so
 the LEV generator sees a realistic number of distinct ids per micro-batch: it evaluates
 each distinct id once), or windows of a real indexed dataset with `--data-path`.
@@ -23,8 +29,8 @@ with LEV, 124 M tied); `1.2b` is lev-1.2b (for GPUs).
 
 Output: one JSON object; per size, per kind the median/min step time, tokens/s, model
 TFLOP/s (megatron_lev.flops, the trainer's formula), MFU when a peak is known, and on
-CUDA the memory; and the ratios `lev_over_tied` / `untied_over_tied` of the median step
-times (>1: slower than tied). On a shared machine wall time is noisy: `ratios_of_fastest_step`
+CUDA the memory; and the ratios `lev_over_tied` / `untied_over_tied` / `tied_over_plain` of the median step
+times (>1: slower). On a shared machine wall time is noisy: `ratios_of_fastest_step`
 and, on CPU, `ratios_of_cpu_time` (process CPU seconds per step) are less disturbed by other
 processes; the CPU load average at start and end is reported.
 """
