@@ -83,6 +83,8 @@ TRAINING_DEFAULTS = {
     "save_interval": None,
     "keep_last_checkpoints": None,
     "no_load_optim": False,
+    "ckpt_step": None,
+    "override_checkpoint_args": False,
     "eval_interval": 1000,
     "eval_iters": 10,
     "seed": 1234,
@@ -204,7 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int)
     g.add_argument("--keep-last-checkpoints", type=int, metavar="K", help="delete all but the newest K")
     g.add_argument("--no-load-optim", action="store_true",
-                   help="load weights only (fresh optimizer, schedule and counters)")
+                   help="load weights only (fresh optimizer moments; iteration, consumed samples and the LR "
+                        "schedule continue)")
+    g.add_argument("--ckpt-step", type=int, metavar="N",
+                   help="resume from --load's checkpoint of iteration N instead of the latest (refused if it is "
+                        "incomplete or damaged)")
+    g.add_argument("--override-checkpoint-args", action="store_true",
+                   help="resume although the checkpoint's run used another tokenizer or --seed (refused "
+                        "otherwise; docs/security.md)")
 
     g = p.add_argument_group("evaluation, logging, exit")
     g.add_argument("--eval-interval", type=int)
@@ -472,12 +481,16 @@ def effective_config(args: argparse.Namespace, model: dict | None = None) -> dic
 
 def summarize_config(cfg: dict, full_path: str) -> str:
     """A few lines of the effective configuration for stdout (the whole of it is in `full_path`)."""
+    from megatron_lev.model import pad_vocab_size  # torch: only when a run starts
+
     m, t = cfg["model"], cfg["training"]
     ds = cfg.get("deepspeed", {})
+    padded = pad_vocab_size(m["vocab_size"], m.get("make_vocab_size_divisible_by", 128),
+                            t["tensor_model_parallel_size"])
     zero = ds.get("zero_optimization", {}).get("stage")
     lines = [
         f"config {cfg['config']}: {m.get('embedding')} model, {m.get('num_layers')} layers x {m.get('hidden_size')}, "
-        f"vocab {m.get('vocab_size')} (padded {m.get('padded_vocab_size', '?')})",
+        f"vocab {m['vocab_size']} (padded {padded})",
         f"parallel: TP {t['tensor_model_parallel_size']} x PP {t['pipeline_model_parallel_size']} x DP "
         f"{t.get('data_parallel_size')}, ZeRO-{zero}, {'bf16' if t['bf16'] else 'fp32'}; batch {t['global_batch_size']}"
         f" x {t['seq_length']} tokens (micro {t['micro_batch_size']}, accumulation {t.get('gradient_accumulation_steps')})",

@@ -7,8 +7,10 @@ TensorBoard and W&B get the same numbers under Megatron-LM's tag names (`lm loss
 `learning-rate`, `grad-norm`, `iteration-time`, `lm loss validation`, ... and the
 `... vs samples` series; MEGATRON_TAGS), so Megatron dashboards read them.
 
-On resume the JSONL is cut back to the loaded iteration, so lines written after the
-checkpoint by the interrupted run (and now repeated) appear once.
+metrics.jsonl is only ever appended to, never cut or rewritten: a resumed run adds its
+lines after the interrupted run's, so iterations the interrupted run logged after its
+last checkpoint appear twice, and the later line (the resumed run's) is the one that
+counts (evaluation/curves.py reads it that way).
 """
 from __future__ import annotations
 
@@ -20,23 +22,6 @@ import warnings
 from typing import Optional
 
 from megatron_lev.data.corpus import atomic_path
-
-
-def truncate_jsonl(path: str, last_iteration: int) -> None:
-    """Keep only records with iteration <= last_iteration (atomic rewrite)."""
-    if not os.path.exists(path):
-        return
-    kept = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a kill
-                continue
-            if record.get("iteration", 0) <= last_iteration:
-                kept.append(line if line.endswith("\n") else line + "\n")
-    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(kept)
 
 
 # metrics.jsonl key -> Megatron-LM's TensorBoard/W&B tag (megatron/training/training.py);
@@ -80,7 +65,6 @@ class MetricsWriter:
             return
         if jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
-            truncate_jsonl(jsonl_path, resume_iteration)
             self._jsonl = open(jsonl_path, "a", encoding="utf-8")
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter

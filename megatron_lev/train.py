@@ -126,6 +126,53 @@ def check_vocab(args, tokenizer, prefixes: list[tuple[str, str]], vocab_size: in
                               f"{vocab_size} ({args.config}): was it tokenized with another tokenizer?")
 
 
+def check_data_tokenizer(args, tokenizer, prefixes: list[tuple[str, str]]) -> None:
+    """Data preprocessed with another tokenizer than --tokenizer-model stops the run: the
+    preprocessing sidecar (.stats.json) records the tokenizer's content hash."""
+    from megatron_lev.data.datasets import preprocessing_stats
+
+    now = tokenizer.describe()
+    for flag, prefix in prefixes:
+        recorded = ((preprocessing_stats(prefix) or {}).get("tokenizer") or {})
+        if recorded.get("sha256") and recorded["sha256"] != now["sha256"]:
+            raise ConfigError(
+                f"{flag} {prefix}: was tokenized with {recorded.get('model')} (sha256 {recorded['sha256'][:12]}), "
+                f"but --tokenizer-model {args.tokenizer_model} is another tokenizer (sha256 {now['sha256'][:12]}): "
+                "train with the data's tokenizer or preprocess the data again with this one")
+
+
+def check_save_folder(args) -> None:
+    """--save into a folder that already holds files, without --load, would overwrite
+    another run (checkpoints, `latest`, metrics.jsonl): refused. Resuming is explicit."""
+    if args.save and not args.load and os.path.isdir(args.save) and os.listdir(args.save):
+        names = sorted(os.listdir(args.save))
+        shown = ", ".join(names[:3]) + (f", ... ({len(names)} entries)" if len(names) > 3 else "")
+        raise ConfigError(f"--save {args.save}: the folder is not empty ({shown}); resume that run with --load "
+                          f"{args.save}, or choose a new --save folder")
+
+
+def check_resume_run(args, saved: dict, config: dict, rank: int) -> None:
+    """A resumed run must keep the checkpoint's tokenizer (ids mean other text) and seed
+    (it orders the data: another seed replays or skips samples mid-run); both refused
+    unless --override-checkpoint-args. Another data path is allowed, with a warning."""
+    diffs = []
+    then_tok, now_tok = saved.get("tokenizer") or {}, config.get("tokenizer") or {}
+    if then_tok.get("sha256") and then_tok["sha256"] != now_tok.get("sha256"):
+        diffs.append(f"tokenizer: {then_tok.get('model')} (sha256 {then_tok['sha256'][:12]}) in the checkpoint, "
+                     f"{now_tok.get('model')} (sha256 {now_tok.get('sha256', '')[:12]}) now")
+    then_seed, now_seed = saved.get("training", {}).get("seed"), config["training"].get("seed")
+    if then_seed is not None and then_seed != now_seed:
+        diffs.append(f"seed: {then_seed} in the checkpoint, {now_seed} now")
+    if diffs and not args.override_checkpoint_args:
+        raise ConfigError(f"--load {args.load}: the checkpoint's run used another " + "; ".join(diffs)
+                          + ": resume with the checkpoint's values, or add --override-checkpoint-args")
+    changed_data = [f"{key}: {saved['training'].get(key)!r} in the checkpoint, {config['training'].get(key)!r} now"
+                    for key in DATA_FLAGS if saved.get("training", {}).get(key) != config["training"].get(key)]
+    if rank == 0:
+        for text in diffs + changed_data:
+            print(f"warning: --load {args.load}: resuming with another {text}", file=sys.stderr, flush=True)
+
+
 def flops_model(model_config, seq_length: int) -> FlopsModel:
     lev = model_config.lev_config() if model_config.embedding == "lev" else None
     return FlopsModel(
@@ -325,7 +372,7 @@ class Trainer:
         self.last_saved: Optional[int] = None
 
         if args.load:
-            tag = checkpointing.find_latest(args.load)
+            tag = checkpointing.select_checkpoint(args.load, args.ckpt_step)
             if tag is not None:
                 client = checkpointing.load_checkpoint(self.engine, args.load, tag,
                                                        load_optimizer=not args.no_load_optim)
@@ -586,12 +633,18 @@ def main(argv=None) -> int:
         derive_vocab_size(args, tokenizer.vocab_size)
         model_config = build_model_config(args)
         check_vocab(args, tokenizer, prefixes, model_config.vocab_size)
+        check_data_tokenizer(args, tokenizer, prefixes)
+        check_save_folder(args)
+        if args.ckpt_step is not None and not args.load:
+            raise ConfigError(f"--ckpt-step {args.ckpt_step}: needs --load (the folder holding that checkpoint)")
         config = effective_config(args, model_config.to_dict())
         config["deepspeed"] = ds_config
+        config["tokenizer"] = tokenizer.describe()
         if args.load:
-            tag = checkpointing.find_latest(args.load)
+            tag = checkpointing.select_checkpoint(args.load, args.ckpt_step)
             if tag is not None:
                 checkpointing.check_resume_compatible(args.load, tag, config)
+                check_resume_run(args, checkpointing.read_checkpoint_config(args.load, tag), config, launch.rank)
                 check_resume_schedule(args, checkpointing.read_checkpoint_config(args.load, tag), config)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         return fail(str(exc), launch.rank)

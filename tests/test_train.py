@@ -264,7 +264,10 @@ def test_sigterm_checkpoints_and_exits_zero(tiny_dataset, spm_tokenizer, tmp_pat
     tag = checkpointing.checkpoint_tag(last)
     assert checkpointing.is_complete(save, tag) and checkpointing.find_latest(save) == tag
     with open(os.path.join(save, tag, checkpointing.COMPLETE_MARKER)) as f:
-        assert json.load(f) == {"iteration": last, "world_size": 2, "consumed_samples": 8 * last}
+        marker = json.load(f)
+    assert {k: marker[k] for k in ("iteration", "world_size", "consumed_samples")} == \
+        {"iteration": last, "world_size": 2, "consumed_samples": 8 * last}
+    assert marker["files"] == checkpointing.checkpoint_file_sizes(os.path.join(save, tag))  # every file, its size
 
     # A save that died half-way: files of a newer tag, no marker; `latest` even points at it.
     newer = checkpointing.checkpoint_tag(last + 1)

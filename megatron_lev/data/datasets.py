@@ -81,6 +81,18 @@ def parse_blend(data_path: str | Sequence[str] | None, flag: str = "--data-path"
     return prefixes, weights
 
 
+def preprocessing_stats(prefix: str) -> dict | None:
+    """The `.stats.json` preprocess_data.py wrote beside a dataset (documents, tokens,
+    highest id, the tokenizer with its content hash), or None when there is none or it
+    does not describe this .bin (another size)."""
+    stats_path = prefix + ".stats.json"
+    if not os.path.isfile(stats_path):
+        return None
+    with open(stats_path, encoding="utf-8") as f:
+        stats = json.load(f)
+    return stats if stats.get("bin_bytes") == os.path.getsize(get_bin_path(prefix)) else None
+
+
 def max_token_id(prefix: str) -> int:
     """The highest token id in a dataset (-1 if empty), so training can refuse data that
     does not fit its vocabulary.
@@ -90,12 +102,9 @@ def max_token_id(prefix: str) -> int:
     """
     check_dataset_prefix(prefix)
     bin_path = get_bin_path(prefix)
-    stats_path = prefix + ".stats.json"
-    if os.path.isfile(stats_path):
-        with open(stats_path, encoding="utf-8") as f:
-            stats = json.load(f)
-        if stats.get("bin_bytes") == os.path.getsize(bin_path) and "max_token_id" in stats:
-            return int(stats["max_token_id"])
+    stats = preprocessing_stats(prefix)
+    if stats is not None and "max_token_id" in stats:
+        return int(stats["max_token_id"])
     dtype = _IndexReader(get_idx_path(prefix), multimodal=False).dtype
     data = np.memmap(bin_path, dtype=dtype, mode="r") if os.path.getsize(bin_path) else np.empty(0, dtype)
     highest, step = -1, 1 << 26
