@@ -26,6 +26,7 @@ setup(
         "sentencepiece>=0.2",
         "tokenizers>=0.19",
         "zstandard>=0.22",
+        "orjson>=3.9",  # preprocessing: JSON lines parsed ~3x faster (json is the fallback)
         "tensorboard>=2.14",
         "tqdm>=4.60",  # progress bars of evaluation, token counting, conversion
     ],
