@@ -21,6 +21,10 @@ LEV k=3, d_s=128, h=8, kappa=16, r=64):
   lev/torch_step_ids     today's CPU path and the previous CUDA path: the per-head dense-basis
                          loop, distinct ids found in the step (`unique` + a range check).
   decoder/eager          one DecoderLayer, forward and backward, eager.
+  training_step          one whole step of the demo LEV model as the trainer runs it
+                         (DeepSpeed engine, ZeRO-1, fused AdamW, ids from the loader): kernels,
+                         host syncs (DeepSpeed's overflow check and gradient norm read values
+                         back) and the copies the framework makes.
   decoder/compiled       the same layer under torch.compile (--compile-layers): inductor's
                          generated kernels (fused pointwise/reductions, forward and backward,
                          torch._inductor.metrics) plus the library calls it keeps (matmuls,
@@ -41,6 +45,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_train
 
 from megatron_lev import lev  # noqa: E402
 from megatron_lev.lev_parallel import ParallelLEVEmbedding  # noqa: E402
@@ -135,9 +140,34 @@ def decoder_part(tokens: int, seq: int, compiled: bool) -> dict:
     return result
 
 
+def step_part(size_name: str) -> dict:
+    """One whole training step of the LEV model (forward, backward, DeepSpeed's optimizer
+    step), built as the trainer builds it (bench_train.build_run): kernels and host syncs."""
+    import contextlib
+
+    import bench_train
+
+    with contextlib.redirect_stdout(sys.stderr):
+        bench_train.start_process_group(torch.device("cpu"))
+        size = bench_train.SIZES[size_name].resolved()
+        run = bench_train.build_run(size, "lev", False)
+        vocab = run.model_config.vocab_size
+        windows = bench_train.zipf_batches(vocab, size.micro_batch_size, size.seq_length, 2)
+        batches = [bench_train.as_inputs(w, "cpu", vocab) for w in windows]
+        bench_train.train_steps(run, batches, 0, 1)  # warm-up: optimizer states exist
+        with KernelCounter() as counter:
+            bench_train.train_steps(run, batches, 1, 1)
+    summary = counter.summary()
+    return {"size": size_name, "kernels": summary["kernels"], "host_syncs": summary["host_syncs"],
+            "host_sync_ops": summary["host_sync_ops"],
+            "copies": {k: v for k, v in summary["ops"].items() if k in ("aten::copy_", "aten::cat", "aten::_to_copy",
+                                                                       "aten::clone")}}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", nargs="+", default=["lev", "decoder"], choices=["lev", "decoder"])
+    p.add_argument("--parts", nargs="+", default=["lev", "decoder", "step"], choices=["lev", "decoder", "step"])
+    p.add_argument("--step-size", default="demo", help="bench_train size of the whole-step count (default demo)")
     p.add_argument("--tokens", type=int, default=16384, help="LEV micro-batch tokens (default 16k)")
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--decoder-tokens", type=int, default=1024, help="decoder layer tokens (CPU time)")
@@ -149,6 +179,8 @@ def main(argv=None) -> dict:
     if "decoder" in args.parts:  # first: the LEV part swaps in the fused stand-in
         report["decoder_layer_1.2b"] = decoder_part(args.decoder_tokens, min(args.seq_length, args.decoder_tokens),
                                                     args.compile_layers)
+    if "step" in args.parts:  # before the LEV part's stand-in: the real CPU path
+        report["training_step"] = step_part(args.step_size)
     if "lev" in args.parts:
         report["lev_1.2b"] = lev_part(args.tokens, args.seq_length)
     text = json.dumps(report, indent=1)
