@@ -29,7 +29,7 @@ unset DS_ACCELERATOR  # DeepSpeed finds the GPUs itself (slurm/common.sh does th
 reference=$(mktemp --suffix .json)
 trap 'rm -f "$reference"' EXIT
 # The one-GPU side of the data-parallel check, in its own process, before torchrun.
-timeout 150 "$py" benchmarks/gpu_check_multi.py --stage reference --dp-size "$nproc" --reference "$reference" "$@"
-timeout --signal=INT 300 "$py" -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
+timeout 100 "$py" benchmarks/gpu_check_multi.py --stage reference --dp-size "$nproc" --reference "$reference" "$@"
+timeout --signal=INT 340 "$py" -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
     benchmarks/gpu_check_multi.py --reference "$reference" --output "$output" "$@"
 echo "gpu_check_multi.sh: done in $((SECONDS - start)) s; JSON in $output" >&2
