@@ -381,7 +381,8 @@ launch_training() {
     : "${TOKENIZER_TYPE:=SentencePieceTokenizer}"
     : "${CHECKPOINT_DIR:=$MEGATRON_LEV_DIR/checkpoints/$CONFIG}"
     : "${TENSORBOARD_DIR:=$CHECKPOINT_DIR/tensorboard}"
-    : "${DEEPSPEED_CONFIG:=$MEGATRON_LEV_DIR/deepspeed_configs/zero1.json}"
+    # ZeRO-2 overlaps the (fp32) gradient reduction with backward; PP > 1 needs ZeRO-1 (docs/slurm.md).
+    : "${DEEPSPEED_CONFIG:=$MEGATRON_LEV_DIR/deepspeed_configs/zero$((PP > 1 ? 1 : 2)).json}"
     : "${SAVE_INTERVAL:=1000}" "${LOG_INTERVAL:=10}" "${BF16:=1}"
     : "${SHUTDOWN_TIMEOUT:=240}" "${MAX_REQUEUES:=50}"
     : "${LOG_ROOT:=$MEGATRON_LEV_DIR/logs}"
