@@ -221,28 +221,164 @@ def read_checkpoint_config(ckpt_dir: str, tag: str) -> dict:
         return json.load(f)
 
 
-# Settings a checkpoint's tensors depend on, besides the model section.
-_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+# Settings a checkpoint's tensor files are laid out by: resuming under other values goes
+# through DeepSpeed's universal checkpoint (see `layout_changes`).
+_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
 # Model fields that only matter before the first step (the weights come from the checkpoint).
 _INIT_ONLY_KEYS = ("init_seed", "init_method_std")
 
 
 def check_resume_compatible(ckpt_dir: str, tag: str, config: dict) -> None:
-    """Refuse a checkpoint whose model (or TP/PP layout) differs from this run's, naming
-    every differing field. `config` is `arguments.effective_config(...)`."""
+    """Refuse a checkpoint whose model differs from this run's, naming every differing
+    field. `config` is `arguments.effective_config(...)`. A different parallel layout is
+    no reason to refuse (`layout_changes`)."""
     saved = read_checkpoint_config(ckpt_dir, tag)
     saved_model, model = saved.get("model", {}), config["model"]
     diffs = [f"{key}: {saved_model.get(key, '<unset>')!r} in the checkpoint, {model.get(key, '<unset>')!r} now"
              for key in sorted(set(saved_model) | set(model))
              if key not in _INIT_ONLY_KEYS and saved_model.get(key) != model.get(key)]
-    for key in _LAYOUT_KEYS:
-        then, now = saved.get("training", {}).get(key), config["training"].get(key)
-        if then != now:
-            diffs.append(f"{key}: {then!r} in the checkpoint, {now!r} now")
     if diffs:
         raise ConfigError(f"--load {ckpt_dir}: checkpoint {tag} was saved with a different model config ("
                           + "; ".join(diffs) + "); resume with the checkpoint's settings or use a new --save "
                           "directory")
+
+
+# --------------------------------------------------------------------------- another scale
+
+UNIVERSAL = "universal"  # DIR/iter_N/universal/: DeepSpeed's universal form of DIR/iter_N
+UNIVERSAL_INFO_KEY = "universal_checkpoint_info"  # deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_INFO
+
+
+def _zero_stage(config: dict):
+    return config.get("deepspeed", {}).get("zero_optimization", {}).get("stage")
+
+
+def layout_changes(ckpt_dir: str, tag: str, config: dict) -> list[str]:
+    """How this run's parallel layout (TP, PP, DP size, ZeRO stage) differs from the
+    checkpoint's, one "key: then -> now" string each; empty when DeepSpeed can load the
+    checkpoint's files as they are."""
+    saved = read_checkpoint_config(ckpt_dir, tag)
+    changes = [f"{key}: {saved['training'].get(key)} -> {config['training'].get(key)}" for key in _LAYOUT_KEYS
+               if saved.get("training", {}).get(key) != config["training"].get(key)]
+    if _zero_stage(saved) != _zero_stage(config):
+        changes.append(f"zero stage: {_zero_stage(saved)} -> {_zero_stage(config)}")
+    return changes
+
+
+def check_layout_change(ckpt_dir: str, tag: str, config: dict, changes: list[str]) -> None:
+    """Refuse the layout changes a universal checkpoint cannot make, saying what to do."""
+    then, now = _zero_stage(read_checkpoint_config(ckpt_dir, tag)), _zero_stage(config)
+    if (then == 3) != (now == 3):
+        # DeepSpeed names ZeRO-3 model files per data-parallel rank (zero_pp_rank_*), the
+        # others per model-parallel rank; its universal loader only finds its own kind.
+        raise ConfigError(f"--load {ckpt_dir}: checkpoint {tag} was saved under ZeRO stage {then} and this run "
+                          f"uses stage {now} ({'; '.join(changes)}): DeepSpeed's universal checkpoint does not "
+                          f"convert between ZeRO-3 and stages 1/2; resume with --zero-stage {then}")
+
+
+def universal_checkpoint_info(config: dict) -> dict:
+    """The `universal_checkpoint_info` client state DeepSpeed's ds_to_universal needs, for
+    the run whose effective config is `config`: how every parameter of the whole model (all
+    pipeline stages) is split over TP ranks, as regexes on DeepSpeed's parameter names
+    (Megatron-DeepSpeed's UNIVERSAL_CHECKPOINT_INFO). The partitions come from
+    convert.partition_of (model.py's table)."""
+    from deepspeed.checkpoint import constants as ds
+
+    from megatron_lev.convert import expected_parameter_names, partition_of
+    from megatron_lev.model import model_config_from_dict
+    from megatron_lev.pipeline import model_to_pipeline_key
+
+    model_config = model_config_from_dict(config["model"])
+    pipeline = config["training"].get("pipeline_model_parallel_size", 1) > 1
+    tied = model_config.embedding == "tied"
+    info = {ds.UNIVERSAL_CHECKPOINT_VERSION_KEY: ds.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+            "original_vocab_size": model_config.vocab_size,  # padding rows are dropped, re-added for the new TP
+            ds.TP_REPLICATED_PARAMETER_PATTERNS: [], ds.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [],
+            ds.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: [], ds.VOCABULARY_PARAMETER_PATTERNS: [],
+            ds.PIPELINE_REPLICATED_PARAMETER_PATTERNS: []}
+    for name in expected_parameter_names(model_config):
+        part = partition_of(name, model_config.embedding)
+        ds_name = model_to_pipeline_key(name, model_config.num_layers, tied) if pipeline else name
+        pattern = re.escape(ds_name) + "$"
+        if part.dim is None:
+            info[ds.TP_REPLICATED_PARAMETER_PATTERNS].append(pattern)
+        elif part.dim == 1:
+            info[ds.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS].append(pattern)
+        elif part.stride == 2:  # [gate; up]: rank r holds [gate_r; up_r]
+            info[ds.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0].append(pattern)
+        # else: contiguous along dim 0, ds_to_universal's default
+        if part.vocab:
+            info[ds.VOCABULARY_PARAMETER_PATTERNS].append(pattern)
+        if pipeline and tied and name.startswith("embedding."):  # on the first and the last stage
+            info[ds.PIPELINE_REPLICATED_PARAMETER_PATTERNS].append(pattern)
+    return info
+
+
+def _is_pipeline_name(name: str) -> bool:
+    return name.split(".", 1)[0].isdigit() or name.startswith("tied_modules.")
+
+
+def _stage_for_universal(src: str, staged: str) -> None:
+    """ds_to_universal's input: links to DIR/tag's DeepSpeed files, except the model-state
+    files, copied without megatron-core's `_extra_state` entries (None; DeepSpeed 0.19's
+    converter calls .float() on every module entry)."""
+    os.makedirs(staged)
+    for name in os.listdir(src):
+        path = os.path.join(src, name)
+        if not name.endswith(".pt") or not os.path.isfile(path):
+            continue
+        if name.startswith("mp_rank_") or (name.startswith("zero_pp_rank_") and name.endswith("model_states.pt")):
+            state = safe_torch_load(path)
+            if isinstance(state.get("module"), dict):
+                state["module"] = {k: v for k, v in state["module"].items() if v is not None}
+            torch.save(state, os.path.join(staged, name))
+        else:
+            os.symlink(os.path.abspath(path), os.path.join(staged, name))
+
+
+def convert_to_universal(ckpt_dir: str, tag: str, *, pipeline: bool, num_layers: int, tied: bool) -> str:
+    """DeepSpeed's ds_to_universal on DIR/tag, written to DIR/tag/universal (reused when
+    complete), with parameter directories named as this run's module names them
+    (pipeline or plain form). Rank 0 only. Returns the universal folder."""
+    from argparse import Namespace
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    from megatron_lev.pipeline import model_to_pipeline_key, pipeline_to_model_key
+
+    src = os.path.join(ckpt_dir, tag)
+    out = os.path.join(src, UNIVERSAL)
+    if os.path.isfile(os.path.join(out, COMPLETE_MARKER)):
+        return out
+    tmp, staged = out + ".tmp", out + ".input"
+    for leftover in (tmp, staged, out):
+        shutil.rmtree(leftover, ignore_errors=True)
+    _stage_for_universal(src, staged)
+    try:
+        ds_to_universal.main(Namespace(input_folder=staged, output_folder=tmp, num_extract_workers=1,
+                                       num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                       inject_missing_state=False))
+    except AssertionError as exc:
+        if "universal_checkpoint_info" in str(exc):
+            raise ConfigError(f"--load {ckpt_dir}: checkpoint {tag} predates universal checkpoint support (no "
+                              f"universal_checkpoint_info): resume it with the layout it was saved with, let it "
+                              f"save once, then change the layout") from exc
+        raise
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+        # ds_to_universal points DIR/tag/latest_universal at its output; we pass the tag instead.
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(src, "latest_universal"))
+    zero = os.path.join(tmp, "zero")
+    for name in os.listdir(zero):
+        if not os.path.isdir(os.path.join(zero, name)) or _is_pipeline_name(name) == pipeline:
+            continue
+        new = (model_to_pipeline_key(name, num_layers, tied) if pipeline
+               else pipeline_to_model_key(name, num_layers))
+        os.rename(os.path.join(zero, name), os.path.join(zero, new))
+    _atomic_write_text(os.path.join(tmp, COMPLETE_MARKER), json.dumps({"source": tag}))
+    os.replace(tmp, out)
+    return out
 
 
 def write_run_config(save_dir: str, config: dict) -> None:
@@ -269,6 +405,8 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, c
         if os.path.exists(os.path.join(tag_dir, COMPLETE_MARKER)):
             os.remove(os.path.join(tag_dir, COMPLETE_MARKER))
     _barrier()
+    # Every checkpoint can be resumed at another scale (DeepSpeed's ds_to_universal reads this).
+    client_state = {**client_state, UNIVERSAL_INFO_KEY: universal_checkpoint_info(config)}
     with _fsync_engine_saves(engine):
         engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
     os.makedirs(os.path.join(tag_dir, "rng"), exist_ok=True)
@@ -311,15 +449,38 @@ def prune_checkpoints(save_dir: str, keep_last: int) -> list[str]:
     return doomed
 
 
-def load_checkpoint(engine, load_dir: str, tag: str, *, load_optimizer: bool = True) -> dict:
+def load_checkpoint(engine, load_dir: str, tag: str, *, load_optimizer: bool = True,
+                    universal: Optional[dict] = None) -> dict:
     """Collective: restore the engine (and, unless `load_optimizer` is False, optimizer,
     LR schedule and counters) and this rank's RNG streams. Returns the client state.
     Every file is loaded weights_only first (safe_load: a hostile pickle is refused on every
-    rank, never run), and DeepSpeed's own loads go through the same safe loader."""
+    rank, never run), and DeepSpeed's own loads go through the same safe loader.
+
+    `universal` (convert_to_universal's keyword arguments): the checkpoint was saved under
+    another layout; rank 0 converts it to DeepSpeed's universal form, which every rank then
+    loads (the engine was built with `checkpoint.load_universal`)."""
+    # Before anything unpickles the files (DeepSpeed's ds_to_universal loads them weights_only=False).
     check_checkpoint_files(os.path.join(load_dir, tag))
+    ds_dir, ds_tag = load_dir, tag
+    if universal is not None:
+        error = None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            try:
+                convert_to_universal(load_dir, tag, **universal)
+            except (ConfigError, OSError) as exc:
+                error = exc
+        failed = torch.tensor([float(error is not None)], device=parallel.default_device())
+        if dist.is_initialized():
+            dist.all_reduce(failed)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise RuntimeError(f"--load {load_dir}: rank 0 could not convert {tag} to a universal checkpoint")
+        ds_dir, ds_tag = os.path.join(load_dir, tag), UNIVERSAL
+        check_checkpoint_files(os.path.join(ds_dir, ds_tag))  # DeepSpeed's universal loader: weights_only=False
     use_safe_checkpoint_engine(engine)
     path, client_state = engine.load_checkpoint(
-        load_dir, tag=tag, load_optimizer_states=load_optimizer, load_lr_scheduler_states=load_optimizer,
+        ds_dir, tag=ds_tag, load_optimizer_states=load_optimizer, load_lr_scheduler_states=load_optimizer,
         load_module_only=not load_optimizer)
     if path is None:
         raise RuntimeError(f"--load {load_dir}: DeepSpeed could not load checkpoint {tag}")

@@ -358,6 +358,11 @@ class Trainer:
         self.device = parallel.default_device()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        resume_tag = checkpointing.select_checkpoint(args.load, args.ckpt_step) if args.load else None
+        # A checkpoint of another TP/PP/DP size or ZeRO stage loads through DeepSpeed's universal form.
+        self.layout_changes = checkpointing.layout_changes(args.load, resume_tag, config) if resume_tag else []
+        if self.layout_changes:
+            ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
         self.engine = build_engine(args, model_config, ds_config)
         self.is_pipeline = args.pipeline_model_parallel_size > 1
         self.dp_group = parallel_state.get_data_parallel_group()
@@ -372,13 +377,28 @@ class Trainer:
         self.last_saved: Optional[int] = None
 
         if args.load:
-            tag = checkpointing.select_checkpoint(args.load, args.ckpt_step)
+            tag = resume_tag
             if tag is not None:
+                universal = None
+                if self.layout_changes:
+                    universal_dir = os.path.join(args.load, tag, checkpointing.UNIVERSAL)
+                    parallel.print_rank_0(f"--load {args.load}: checkpoint {tag} was saved under another layout ("
+                                          f"{'; '.join(self.layout_changes)}); loading it through DeepSpeed's "
+                                          f"universal checkpoint in {universal_dir}")
+                    universal = dict(pipeline=self.is_pipeline, num_layers=model_config.num_layers,
+                                     tied=model_config.embedding == "tied")
                 client = checkpointing.load_checkpoint(self.engine, args.load, tag,
-                                                       load_optimizer=not args.no_load_optim)
-                if not args.no_load_optim:
-                    self.state = TrainState.from_client_state(client)
-                    self.last_saved = self.state.iteration
+                                                       load_optimizer=not args.no_load_optim, universal=universal)
+                # Counters always continue (Megatron resets them only for --finetune).
+                self.state = TrainState.from_client_state(client)
+                self.last_saved = self.state.iteration
+                if args.no_load_optim:
+                    # Fresh optimizer moments, but the LR schedule continues where it was: DeepSpeed
+                    # stepped it once per applied step.
+                    if universal is not None:  # DeepSpeed's universal loader restores the moments regardless
+                        self.engine.optimizer.optimizer.state.clear()
+                    for _ in range(self.state.iteration - self.state.skipped_steps):
+                        self.engine.lr_scheduler.step()
                 parallel.print_rank_0(f"resumed from {os.path.join(args.load, tag)} at iteration "
                                       f"{self.state.iteration} ({self.state.consumed_samples} samples)")
             else:
@@ -645,6 +665,9 @@ def main(argv=None) -> int:
             if tag is not None:
                 checkpointing.check_resume_compatible(args.load, tag, config)
                 check_resume_run(args, checkpointing.read_checkpoint_config(args.load, tag), config, launch.rank)
+                changes = checkpointing.layout_changes(args.load, tag, config)
+                if changes:
+                    checkpointing.check_layout_change(args.load, tag, config, changes)
                 check_resume_schedule(args, checkpointing.read_checkpoint_config(args.load, tag), config)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         return fail(str(exc), launch.rank)
