@@ -61,6 +61,11 @@ def test_pretrain_gpt_command_line(capsys):
     config = build_model_config(args)
     assert config.init_method_std == 0.006 and config.padded_vocab_size == 1024  # 1000 -> multiple of 64 x TP 2
     assert (config.recompute_granularity, config.recompute_method) == ("full", "uniform")
+    # Megatron's GPTSentencePieceTokenizer name is accepted by conversion too.
+    from megatron_lev.hf.cli import to_hf_parser
+
+    assert to_hf_parser().parse_args(["--load", "c", "--output", "o", "--tokenizer-type",
+                                      "GPTSentencePieceTokenizer"]).tokenizer_type == "GPTSentencePieceTokenizer"
 
 
 @pytest.mark.parametrize("flags, line", [

@@ -26,7 +26,8 @@ def to_hf_parser() -> argparse.ArgumentParser:
     p.add_argument("--iteration", type=int, help="checkpoint to convert (default: the latest complete one)")
     p.add_argument("--output", required=True, help="Hugging Face folder to create (must not exist, or be empty)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="weights' dtype (default: the checkpoint's)")
-    p.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "HuggingFaceTokenizer"),
+    p.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                                                 "HuggingFaceTokenizer"),
                    help="default: the checkpoint's, else guessed from --tokenizer-model")
     p.add_argument("--tokenizer-model", help="default: the tokenizer the checkpoint was trained with")
     p.add_argument("--materialize-embeddings", action="store_true",
