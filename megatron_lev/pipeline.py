@@ -61,21 +61,23 @@ TIED_KEY = "embedding"
 
 
 def _stage0_inputs(inputs):
-    """input_ids | (input_ids,) | (input_ids, position_ids) -> (input_ids, position_ids)."""
+    """input_ids | (input_ids,) | (input_ids, position_ids[, lev_ids, lev_inverse])
+    -> (input_ids, position_ids, (lev_ids, lev_inverse) or ())."""
     if torch.is_tensor(inputs):
         inputs = (inputs,)
-    if len(inputs) not in (1, 2):
-        raise ValueError(f"pipeline inputs: expected (input_ids[, position_ids]), got {len(inputs)} tensors")
+    if len(inputs) not in (1, 2, 4):
+        raise ValueError(f"pipeline inputs: expected (input_ids[, position_ids[, lev_ids, lev_inverse]]), "
+                         f"got {len(inputs)} tensors")
     input_ids = inputs[0]
-    position_ids = inputs[1] if len(inputs) == 2 else default_position_ids(input_ids).contiguous()
-    return input_ids, position_ids
+    position_ids = inputs[1] if len(inputs) >= 2 else default_position_ids(input_ids).contiguous()
+    return input_ids, position_ids, tuple(inputs[2:])
 
 
 class _EmbeddingPipe:
     """Mixin: the first stage's embedding takes the batch's inputs, emits (hidden, positions)."""
 
     def forward(self, inputs):
-        input_ids, position_ids = _stage0_inputs(inputs)
+        input_ids, position_ids, _ = _stage0_inputs(inputs)
         return super().forward(input_ids), position_ids
 
 
@@ -96,9 +98,14 @@ class TiedEmbeddingPipe(VocabEmbeddingPipe):
         return module.output_layer(hidden, module.weight)
 
 
-class LEVEmbeddingPipe(_EmbeddingPipe, ParallelLEVEmbedding):
+class LEVEmbeddingPipe(ParallelLEVEmbedding):
     def __init__(self, config: LeviathanConfig):
         super().__init__(**lev_embedding_kwargs(config))
+
+    def forward(self, inputs):
+        """Also takes the data loader's distinct ids (train.PipelineBatches sends them): no sync."""
+        input_ids, position_ids, lev = _stage0_inputs(inputs)
+        return super().forward(input_ids, *lev), position_ids
 
 
 class DecoderLayerPipe(DecoderLayer):

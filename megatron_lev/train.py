@@ -296,7 +296,8 @@ class PipelineBatches:
     def __next__(self):
         b = next(self.batches)
         self.distinct += distinct_count(b)
-        return (b["tokens"], b["position_ids"]), (b["labels"], b["loss_mask"])
+        lev = (b["lev_ids"], b["lev_inverse"]) if "lev_ids" in b else ()  # LEV's ids from the loader
+        return (b["tokens"], b["position_ids"], *lev), (b["labels"], b["loss_mask"])
 
 
 def distinct_count(batch: dict) -> int:
