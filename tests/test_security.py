@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import shlex
 import shutil
@@ -36,8 +37,19 @@ class _Hostile:
 
 
 def write_hostile_checkpoint_file(path: str, marker: str) -> None:
-    """A torch.save file shaped like DeepSpeed's (a dict with 'module'), with a hostile pickle."""
+    """A torch.save file shaped like DeepSpeed's (a dict with 'module'), with a hostile pickle.
+    In a checkpoint folder, complete.json's size list is updated too (an attacker ships both)."""
     torch.save({"module": _Hostile(marker), "iteration": 1}, path)
+    from megatron_lev import checkpointing
+
+    complete = os.path.join(os.path.dirname(path), checkpointing.COMPLETE_MARKER)
+    if os.path.isfile(complete):
+        with open(complete, encoding="utf-8") as f:
+            record = json.load(f)
+        if "files" in record:
+            record["files"][os.path.basename(path)] = os.path.getsize(path)
+            with open(complete, "w", encoding="utf-8") as f:
+                json.dump(record, f)
 
 
 def _train_flags(dataset: str, tokenizer: str, *extra: str) -> list[str]:
@@ -151,9 +163,9 @@ def test_convert_and_evaluate_refuse_hostile_checkpoint(runs, tmp_path, capsys):
     marker = str(tmp_path / "marker")
     planted = _hostile_copy(runs["save"], str(tmp_path / "ckpt"), marker)
     assert convert_to_hf_main(["--load", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf")]) == 2
-    err = capsys.readouterr().err.strip()
+    err = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]  # after any progress bar
     assert err.startswith(f"convert_to_hf: error: {planted}: refused: loading it would call posix.system")
-    assert "\n" not in err and not os.path.exists(tmp_path / "hf")
+    assert not os.path.exists(tmp_path / "hf")
     with pytest.raises(SystemExit) as exited:
         evaluate.main(["--model", f"x={tmp_path / 'ckpt'}", "--eval-tokens", "64", "--device", "cpu",
                        "--output-dir", str(tmp_path / "eval")])
