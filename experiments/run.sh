@@ -143,5 +143,5 @@ done
 banner "seeds summary -> $out/eval/seeds"
 seed_args=()
 for seed in $seeds; do seed_args+=(--seed-dir "$seed=$out/eval/s$seed"); done
-"$py" -m megatron_lev.evaluation.seeds "${seed_args[@]}" --pair lev:tied --pair lev-deeper:untied \
+"$py" -m megatron_lev.evaluation.seeds "${seed_args[@]}" --pair lev:tied --pair lev-deeper:untied --pair untied:tied \
     --output-dir "$out/eval/seeds"
