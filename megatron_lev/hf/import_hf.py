@@ -67,7 +67,7 @@ def _run_args(config_file: str, model_section: dict, training: dict, tp: int, pp
               tokenizer: Optional[str], seq_length: int, argv: list[str]) -> argparse.Namespace:
     """The trainer's args for a 1-replica ZeRO-1 run with this config (validate_args' derived
     fields filled in for data-parallel size 1)."""
-    from megatron_lev.arguments import TRAINING_DEFAULTS
+    from megatron_lev.arguments import TRAINING_DEFAULTS, _schedule_in_samples, recompute_setting
 
     args = argparse.Namespace(**{**TRAINING_DEFAULTS, **training})
     args.config, args.argv, args.model, args.given_flags = config_file, argv, model_section, []
@@ -85,6 +85,9 @@ def _run_args(config_file: str, model_section: dict, training: dict, tp: int, pp
     args.micro_batch_size = args.global_batch_size = 1
     args.lr = args.lr if args.lr is not None else PLACEHOLDER_LR
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    # validate_args' derived fields that building the engine reads.
+    _schedule_in_samples(args)
+    args.recompute = recompute_setting(args)
     if tokenizer is not None:
         args.tokenizer_type, args.tokenizer_model = infer_tokenizer_type(tokenizer), os.path.abspath(tokenizer)
     return args
