@@ -146,7 +146,8 @@ SUPPORTED_NOTES = {
     "--exit-signal-handler": "on by default here (SIGTERM and SIGUSR1)",
     "--log-throughput": "adds TFLOP/s per GPU (and MFU with --gpu-type) to the log line",
     "--local-rank": "the deepspeed launcher's; the rank is read from the environment",
-    "--tokenizer-type": "SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer",
+    "--tokenizer-type": "SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer; preprocessing "
+                        "also Llama2Tokenizer (BOS first); GPT2BPETokenizer: not implemented",
 }
 
 # Flags of megatron_lev.train that Megatron-LM does not have.

@@ -105,6 +105,13 @@ def test_preprocess_data_command_line(tmp_path, spm_tokenizer, capsys):
     tok = build_tokenizer("GPTSentencePieceTokenizer", spm_tokenizer)
     ds = IndexedDataset(str(tmp_path / "out_text_document"))
     assert [ds[i].tolist() for i in range(len(ds))] == [tok.tokenize(d) + [tok.eod] for d in docs]
+    # Llama2Tokenizer: every document starts with BOS, as Megatron-LM's.
+    main(["--input", str(corpus), "--output-prefix", str(tmp_path / "llama"), "--tokenizer-type", "Llama2Tokenizer",
+          "--tokenizer-model", spm_tokenizer, "--append-eod", "--workers", "1"])
+    llama = IndexedDataset(str(tmp_path / "llama_text_document"))
+    assert [llama[i].tolist() for i in range(len(llama))] == [[tok.bos] + tok.tokenize(d) + [tok.eod] for d in docs]
+    assert tok.bos == 1
+    capsys.readouterr()
     with pytest.raises(SystemExit):
         main(["--input", str(corpus), "--output-prefix", str(tmp_path / "o2"), "--tokenizer-type",
               "GPTSentencePieceTokenizer", "--tokenizer-model", spm_tokenizer, "--workers", "1", "--split-sentences"])

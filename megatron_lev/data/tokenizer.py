@@ -238,10 +238,27 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Megatron-LM's Llama2Tokenizer: a SentencePiece model whose every text starts with BOS
+    (its `tokenize(s, bos=True, eos=False)`); EOD is the eos piece."""
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._with_bos(super().tokenize(text))
+
+    def tokenize_batch(self, texts: Sequence[str], num_threads: int = -1) -> list[list[int]]:
+        return [self._with_bos(ids) for ids in super().tokenize_batch(texts, num_threads)]
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        if self.bos is None:
+            raise ValueError(f"--tokenizer-model {self.path}: Llama2Tokenizer needs a bos piece, the model has none")
+        return [self.bos, *ids]
+
+
 TOKENIZER_TYPES = {
     "SentencePieceTokenizer": SentencePieceTokenizer,
     # Megatron-LM's name for the same thing (EOD = the model's eos piece).
     "GPTSentencePieceTokenizer": SentencePieceTokenizer,
+    "Llama2Tokenizer": Llama2Tokenizer,
     "HuggingFaceTokenizer": HuggingFaceTokenizer,
 }
 
