@@ -174,11 +174,12 @@ def complete_checkpoints(ckpt_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def find_latest(ckpt_dir: Optional[str]) -> Optional[str]:
+def find_latest(ckpt_dir: Optional[str], skipped: Optional[list[tuple[str, str]]] = None) -> Optional[str]:
     """The tag to resume from: `latest` if it names a complete, undamaged checkpoint, else
     the newest complete undamaged one, else None (an empty or missing directory starts
     fresh). A damaged checkpoint (`checkpoint_problem`) is skipped with one line naming
-    the file."""
+    the file, or, when the caller passes a `skipped` list, recorded there as (tag, problem)
+    for the caller to word (convert names the damage in its one-line error)."""
     if not ckpt_dir or not os.path.isdir(ckpt_dir):
         return None
     latest_path = os.path.join(ckpt_dir, LATEST)
@@ -195,7 +196,10 @@ def find_latest(ckpt_dir: Optional[str]) -> Optional[str]:
         problem = checkpoint_problem(ckpt_dir, tag)
         if problem is None:
             return tag
-        _warn_rank_0(f"--load {ckpt_dir}: skipping checkpoint {tag}: {problem}; trying the previous complete one")
+        if skipped is not None:
+            skipped.append((tag, problem))
+        else:
+            _warn_rank_0(f"--load {ckpt_dir}: skipping checkpoint {tag}: {problem}; trying the previous complete one")
     return None
 
 

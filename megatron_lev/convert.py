@@ -29,6 +29,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -239,7 +240,15 @@ def find_checkpoint(load_dir: str, iteration: Optional[int] = None) -> Checkpoin
             raise CheckpointError(f"{os.path.join(load_dir, tag)}: incomplete checkpoint (no "
                                   f"{checkpointing.COMPLETE_MARKER}: the job died while saving it)")
     else:
-        tag = checkpointing.find_latest(load_dir)
+        damaged: list[tuple[str, str]] = []
+        tag = checkpointing.find_latest(load_dir, skipped=damaged)
+        if tag is None and damaged:
+            newest, problem = damaged[0]
+            raise CheckpointError(f"--load {load_dir}: checkpoint {newest} is damaged ({problem}) and no older "
+                                  "complete checkpoint is intact")
+        if damaged:
+            print(f"warning: --load {load_dir}: converting {tag}; newer checkpoint {damaged[0][0]} is damaged "
+                  f"({damaged[0][1]})", file=sys.stderr)
         if tag is None:
             raise CheckpointError(f"--load {load_dir}: no complete checkpoint (no iter_NNNNNNN/"
                                   f"{checkpointing.COMPLETE_MARKER}): is it a megatron_lev.train --save directory?")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import sys
 import pytest
 import torch
 
+from megatron_lev import checkpointing
 from megatron_lev.safe_load import hf_trust_remote_code
 from tests.distributed import run_distributed
 from tests.fixtures import assert_release_modes
@@ -433,20 +435,22 @@ def _error(capsys, argv, main=None) -> str:
     from megatron_lev.hf.cli import convert_to_hf_main
 
     assert (main or convert_to_hf_main)(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0, err  # one line
-    return err
+    # Progress bars (tqdm, on stderr) are not messages: drop their redraws before counting lines.
+    lines = [line for line in re.split(r"[\r\n]+", capsys.readouterr().err) if line.strip()
+             and not re.search(r"\d+%\|", line)]
+    assert len(lines) == 1, lines  # one line
+    return lines[0]
 
 
 def test_missing_shard_is_named(checkpoints, tmp_path, capsys):
     plain = _copy(checkpoints["tied_tp2"], tmp_path / "plain")
     os.remove(os.path.join(_tag_dir(plain), "mp_rank_01_model_states.pt"))
     err = _error(capsys, ["--load", plain, "--output", str(tmp_path / "out1")])
-    assert "mp_rank_01_model_states.pt: missing shard" in err
+    assert "checkpoint iter_0000003 is damaged" in err and "mp_rank_01_model_states.pt: missing" in err
     pipe = _copy(checkpoints["lev_pp2"], tmp_path / "pipe")
     os.remove(os.path.join(_tag_dir(pipe), "layer_02-model_00-model_states.pt"))
     err = _error(capsys, ["--load", pipe, "--output", str(tmp_path / "out2")])
-    assert "layer_02-model_00-model_states.pt: missing shard" in err
+    assert "layer_02-model_00-model_states.pt: missing" in err
     assert not os.path.exists(tmp_path / "out1") and not glob.glob(str(tmp_path / ".out*"))
 
 
@@ -454,8 +458,16 @@ def test_unknown_layout(checkpoints, tmp_path, capsys):
     from megatron_lev.hf.cli import convert_from_hf_main
 
     ckpt = _copy(checkpoints["tied_tp2"], tmp_path / "ckpt")
-    for path in glob.glob(os.path.join(_tag_dir(ckpt), "*model_states.pt")):
+    tag_dir = _tag_dir(ckpt)
+    for path in glob.glob(os.path.join(tag_dir, "*model_states.pt")):
         os.rename(path, path + ".bak")
+    # A marker without a file list (as older runs wrote) lets the layout check, not the damage check, speak.
+    marker = os.path.join(tag_dir, checkpointing.COMPLETE_MARKER)
+    with open(marker, encoding="utf-8") as f:
+        info = json.load(f)
+    info.pop("files")
+    with open(marker, "w", encoding="utf-8") as f:
+        json.dump(info, f)
     err = _error(capsys, ["--load", ckpt, "--output", str(tmp_path / "out")])
     assert "unknown checkpoint layout" in err and "mp_rank_*_model_states.pt" in err
     not_ours = tmp_path / "gpt2"
