@@ -34,6 +34,18 @@ def _save(fig, path: str, dpi: int) -> str:
     return path
 
 
+def _finish_single_axes(fig, ax, path: str, dpi: int, xlabel: str, ylabel: str, title: str,
+                        grid_axis: str = "both") -> str:
+    """Labels, grid and legend of a one-panel figure, then save it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(axis=grid_axis, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return _save(fig, path, dpi)
+
+
 def plot_bucket_comparison(labels, values: dict[str, list], path: str, baseline: str | None = None,
                            title: str = "Perplexity by token-frequency bucket", ylabel: str = "perplexity",
                            xlabel: str = "token-frequency bucket (rarest first)", log_y: bool = True,
@@ -103,13 +115,7 @@ def plot_loss_curves(curves: dict[str, tuple], path: str, target: float | None =
         ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:.4f}")
     if log_x:
         ax.set_xscale("log")
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    return _save(fig, path, dpi)
+    return _finish_single_axes(fig, ax, path, dpi, "training tokens", ylabel, title)
 
 
 def plot_changes_with_error_bars(labels, series: dict[str, tuple[list, list]], path: str,
@@ -133,13 +139,7 @@ def plot_changes_with_error_bars(labels, series: dict[str, tuple[list, list]], p
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_xticks(list(x))
     ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    return _save(fig, path, dpi)
+    return _finish_single_axes(fig, ax, path, dpi, xlabel, ylabel, title, grid_axis="y")
 
 
 def plot_loss_bands(curves: dict[str, tuple], path: str, ylabel: str = "validation loss",
@@ -152,10 +152,4 @@ def plot_loss_bands(curves: dict[str, tuple], path: str, ylabel: str = "validati
         ax.plot(tokens, mean, label=name, linewidth=1.5, color=f"C{k}")
         ax.fill_between(tokens, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                         color=f"C{k}", alpha=0.2, linewidth=0)
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    return _save(fig, path, dpi)
+    return _finish_single_axes(fig, ax, path, dpi, "training tokens", ylabel, title)
