@@ -2,7 +2,7 @@
 
 The metadata lives here; pyproject.toml only names the build backend.
 """
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 
 setup(
     name="megatron_lev",
@@ -11,7 +11,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_lev", "megatron_lev.*"]),
+    # Namespace discovery: the data folders (configs/, deepspeed_configs/) are packages of data,
+    # which setuptools otherwise warns about on every install.
+    packages=find_namespace_packages(include=["megatron_lev", "megatron_lev.*"], exclude=["*.__pycache__"]),
     # YAML configs live inside the package so an installed package finds them.
     # So are the DeepSpeed JSONs (`deepspeed_configs/` in a checkout links to them).
     package_data={"megatron_lev": ["configs/*.yaml", "configs/**/*.yaml", "deepspeed_configs/*.json", "hf/*.py"]},
