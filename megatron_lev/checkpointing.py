@@ -35,7 +35,8 @@ import yaml
 from megatron_lev import parallel
 from megatron_lev.arguments import ConfigError
 from megatron_lev.data.corpus import atomic_path
-from megatron_lev.safe_load import check_checkpoint_files, safe_torch_load, use_safe_checkpoint_engine
+from megatron_lev.safe_load import (CheckpointLoadError, UnsafeCheckpointError, check_checkpoint_files, safe_torch_load,
+                                    use_safe_checkpoint_engine)
 
 LATEST = "latest"
 COMPLETE_MARKER = "complete.json"
@@ -174,17 +175,20 @@ def complete_checkpoints(ckpt_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def find_latest(ckpt_dir: Optional[str], skipped: Optional[list[tuple[str, str]]] = None) -> Optional[str]:
+def find_latest(ckpt_dir: Optional[str], skipped: Optional[list[tuple[str, str]]] = None,
+                older_than: Optional[int] = None) -> Optional[str]:
     """The tag to resume from: `latest` if it names a complete, undamaged checkpoint, else
     the newest complete undamaged one, else None (an empty or missing directory starts
     fresh). A damaged checkpoint (`checkpoint_problem`) is skipped with one line naming
     the file, or, when the caller passes a `skipped` list, recorded there as (tag, problem)
-    for the caller to word (convert names the damage in its one-line error)."""
+    for the caller to word (convert names the damage in its one-line error). `older_than`:
+    only checkpoints before that iteration (the one before a checkpoint found unreadable)."""
     if not ckpt_dir or not os.path.isdir(ckpt_dir):
         return None
     latest_path = os.path.join(ckpt_dir, LATEST)
-    newest_first = [tag for _, tag in reversed(complete_checkpoints(ckpt_dir))]
-    if os.path.isfile(latest_path):
+    newest_first = [tag for it, tag in reversed(complete_checkpoints(ckpt_dir))
+                    if older_than is None or it < older_than]
+    if older_than is None and os.path.isfile(latest_path):
         with open(latest_path, encoding="utf-8") as f:
             tag = f.read().strip()
         if is_complete(ckpt_dir, tag):
@@ -218,6 +222,27 @@ def select_checkpoint(ckpt_dir: Optional[str], ckpt_step: Optional[int] = None) 
     if problem is not None:
         raise ConfigError(f"--ckpt-step {ckpt_step}: checkpoint {tag} is damaged: {problem}")
     return tag
+
+
+def select_readable_checkpoint(ckpt_dir: Optional[str], ckpt_step: Optional[int] = None) -> Optional[str]:
+    """Collective: `select_checkpoint`'s tag, once every file of it loads weights_only
+    (`check_checkpoint_files`). A file that cannot be read although its size is intact is
+    handled like a short one in `find_latest`: the checkpoint is skipped, with one line
+    naming the file, for the previous complete one. `--ckpt-step`'s checkpoint is refused
+    instead, and a hostile file (UnsafeCheckpointError) is always refused, never skipped."""
+    tag = select_checkpoint(ckpt_dir, ckpt_step)
+    while tag is not None:
+        try:
+            check_checkpoint_files(os.path.join(ckpt_dir, tag))
+            return tag
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointLoadError as exc:
+            if ckpt_step is not None:
+                raise CheckpointLoadError(f"--ckpt-step {ckpt_step}: checkpoint {tag} is damaged: {exc}") from None
+            _warn_rank_0(f"--load {ckpt_dir}: skipping checkpoint {tag}: {exc}; trying the previous complete one")
+            tag = find_latest(ckpt_dir, older_than=tag_iteration(tag))
+    return None
 
 
 def read_checkpoint_config(ckpt_dir: str, tag: str) -> dict:
@@ -454,7 +479,7 @@ def prune_checkpoints(save_dir: str, keep_last: int) -> list[str]:
 
 
 def load_checkpoint(engine, load_dir: str, tag: str, *, load_optimizer: bool = True,
-                    universal: Optional[dict] = None) -> dict:
+                    universal: Optional[dict] = None, files_checked: bool = False) -> dict:
     """Collective: restore the engine (and, unless `load_optimizer` is False, optimizer,
     LR schedule and counters) and this rank's RNG streams. Returns the client state.
     Every file is loaded weights_only first (safe_load: a hostile pickle is refused on every
@@ -462,9 +487,11 @@ def load_checkpoint(engine, load_dir: str, tag: str, *, load_optimizer: bool = T
 
     `universal` (convert_to_universal's keyword arguments): the checkpoint was saved under
     another layout; rank 0 converts it to DeepSpeed's universal form, which every rank then
-    loads (the engine was built with `checkpoint.load_universal`)."""
+    loads (the engine was built with `checkpoint.load_universal`). `files_checked`: the
+    caller chose `tag` with `select_readable_checkpoint`, which ran the same check."""
     # Before anything unpickles the files (DeepSpeed's ds_to_universal loads them weights_only=False).
-    check_checkpoint_files(os.path.join(load_dir, tag))
+    if not files_checked:
+        check_checkpoint_files(os.path.join(load_dir, tag))
     ds_dir, ds_tag = load_dir, tag
     if universal is not None:
         error = None

@@ -359,7 +359,8 @@ class Trainer:
         self.device = parallel.default_device()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        resume_tag = checkpointing.select_checkpoint(args.load, args.ckpt_step) if args.load else None
+        # Collective: a checkpoint with an unreadable file falls back to the previous one.
+        resume_tag = checkpointing.select_readable_checkpoint(args.load, args.ckpt_step) if args.load else None
         # A checkpoint of another TP/PP/DP size or ZeRO stage loads through DeepSpeed's universal form.
         self.layout_changes = checkpointing.layout_changes(args.load, resume_tag, config) if resume_tag else []
         if self.layout_changes:
@@ -388,8 +389,8 @@ class Trainer:
                                           f"universal checkpoint in {universal_dir}")
                     universal = dict(pipeline=self.is_pipeline, num_layers=model_config.num_layers,
                                      tied=model_config.embedding == "tied")
-                client = checkpointing.load_checkpoint(self.engine, args.load, tag,
-                                                       load_optimizer=not args.no_load_optim, universal=universal)
+                client = checkpointing.load_checkpoint(self.engine, args.load, tag, load_optimizer=not args.no_load_optim,
+                                                       universal=universal, files_checked=True)
                 # Counters always continue (Megatron resets them only for --finetune).
                 self.state = TrainState.from_client_state(client)
                 self.last_saved = self.state.iteration

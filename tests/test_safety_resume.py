@@ -4,8 +4,9 @@ damaged newest checkpoint skipped for the previous complete one, metrics.jsonl a
 --tokenizer-model.
 
 One 2-rank launch (tests/distributed.py) runs three trainings of tiny-tied in one
-checkpoint folder: A (4 steps, checkpoints 2 and 4), B (after rank 0 truncated a file of
-checkpoint 4: resumes from 2), C (another --seed with --override-checkpoint-args, one
+checkpoint folder: A (6 steps, checkpoints 2, 4 and 6), B (after rank 0 truncated a file
+of checkpoint 6 and overwrote the end of one of checkpoint 4, keeping its size: resumes
+from 2), C (another --seed with --override-checkpoint-args, one
 step). The refusals are start-up errors, checked in-process like tests/test_train.py's.
 """
 import contextlib
@@ -53,16 +54,22 @@ def _safety_runs(rank, world_size, work, dataset, tokenizer):
 
     events, restore = _record_fsyncs_and_renames()
     try:
-        code_a = main(flags("--exit-interval", "4"))
+        code_a = main(flags("--exit-interval", "6"))
     finally:
         restore()
     files = {tag: sorted(os.path.join(root, name) for root, _, names in os.walk(os.path.join(save, tag))
                          for name in names) for tag in ("iter_0000002", "iter_0000004")}
     dist.barrier()
-    if rank == 0:  # a node crash or a full disk left checkpoint 4's model file short
-        model_file = os.path.join(save, "iter_0000004", "mp_rank_00_model_states.pt")
+    if rank == 0:
+        # A node crash or a full disk left checkpoint 6's model file short...
+        model_file = os.path.join(save, "iter_0000006", "mp_rank_00_model_states.pt")
         with open(model_file, "r+b") as f:
             f.truncate(os.path.getsize(model_file) // 2)
+        # ...and a bad copy zeroed the end (the zip directory) of checkpoint 4's: same size, unreadable.
+        model_file = os.path.join(save, "iter_0000004", "mp_rank_00_model_states.pt")
+        with open(model_file, "r+b") as f:
+            f.seek(-512, os.SEEK_END)
+            f.write(bytes(512))
     dist.barrier()
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -108,21 +115,26 @@ def test_checkpoint_files_fsynced_before_marker(safety_runs):
         os.path.join(work, "ckpt", "iter_0000002", "mp_rank_00_model_states.pt"))
 
 
-def test_damaged_checkpoint_skipped_for_previous_and_metrics_appended(safety_runs):
-    """B found checkpoint 4 truncated: one warning naming the file, resumed from 2, and
-    re-ran steps 3 and 4 with A's exact losses. metrics.jsonl kept A's lines and got B's
-    and C's after them."""
+def test_damaged_checkpoints_skipped_for_previous_and_metrics_appended(safety_runs):
+    """B found checkpoint 6 short (the marker's sizes) and checkpoint 4 unreadable at its
+    intact size (the weights_only load of every file): one warning naming each file,
+    resumed from 2, and re-ran steps 3 and 4 with A's exact losses. metrics.jsonl kept A's
+    lines and got B's and C's after them."""
     work, results = safety_runs
     warnings = [line for line in results[0]["stderr_b"].splitlines() if line.startswith("warning:")]
-    model_file = os.path.join(work, "ckpt", "iter_0000004", "mp_rank_00_model_states.pt")
-    assert len(warnings) == 1 and f"skipping checkpoint iter_0000004: {model_file}: " in warnings[0]
+    short_file = os.path.join(work, "ckpt", "iter_0000006", "mp_rank_00_model_states.pt")
+    unreadable_file = os.path.join(work, "ckpt", "iter_0000004", "mp_rank_00_model_states.pt")
+    assert len(warnings) == 2, warnings
+    assert f"skipping checkpoint iter_0000006: {short_file}: " in warnings[0]
     assert "(truncated or damaged); trying the previous complete one" in warnings[0]
+    assert f"skipping checkpoint iter_0000004: {unreadable_file}: cannot be read" in warnings[1]
+    assert warnings[1].endswith("; trying the previous complete one")
     assert not any(line.startswith("warning:") for line in results[1]["stderr_b"].splitlines())  # rank 0 says it
     lines = [r for r in read_metrics(work, "run") if "loss" in r]
-    assert [r["iteration"] for r in lines] == [1, 2, 3, 4, 3, 4, 5]
-    assert [r["loss"] for r in lines[4:6]] == [r["loss"] for r in lines[2:4]]  # bit-exact resume from 2
-    assert [r["grad_norm"] for r in lines[4:6]] == [r["grad_norm"] for r in lines[2:4]]
-    assert train_records(work, "run")[5]["consumed_samples"] == 5 * 8  # C continued from B's checkpoint 4
+    assert [r["iteration"] for r in lines] == [1, 2, 3, 4, 5, 6, 3, 4, 5]
+    assert [r["loss"] for r in lines[6:8]] == [r["loss"] for r in lines[2:4]]  # bit-exact resume from 2
+    assert [r["grad_norm"] for r in lines[6:8]] == [r["grad_norm"] for r in lines[2:4]]
+    assert lines[-1]["consumed_samples"] == 5 * 8  # C continued from B's checkpoint 4
     assert checkpointing.find_latest(os.path.join(work, "ckpt")) == "iter_0000005"
 
 
