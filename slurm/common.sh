@@ -271,6 +271,7 @@ build_commands() {
         --tensorboard-dir "$TENSORBOARD_DIR"
         --deepspeed-config "$DEEPSPEED_CONFIG"
         --gpu-type "$GPU_TYPE"
+        --log-throughput  # TFLOP/s per GPU and MFU (against --gpu-type's peak) in every iteration line
         --compile-layers  # torch.compile each decoder layer: fused RoPE/SwiGLU/RMSNorm (docs/performance.md)
     )
     if [[ $BF16 == 1 ]]; then train_args+=(--bf16); else train_args+=(--no-bf16); fi

@@ -129,7 +129,7 @@ def test_dry_run_prints_each_node_command(fake_inputs):
     # The checkpoint folder has a space: quoting must round-trip.
     assert flag(cmd, "--save") == flag(cmd, "--load") == [fake_inputs["CHECKPOINT_DIR"]]
     assert flag(cmd, "--deepspeed-config") == [str(REPO / "deepspeed_configs" / "zero1.json")]
-    assert flag(cmd, "--gpu-type") == ["a100"] and "--bf16" in cmd
+    assert flag(cmd, "--gpu-type") == ["a100"] and "--bf16" in cmd and "--log-throughput" in cmd
     assert cmd[-4:] == ["--lr", "3e-4", "--eval-interval", "500"]
     assert "export CUDA_DEVICE_MAX_CONNECTIONS='1'" in lines
     assert not Path(fake_inputs["CHECKPOINT_DIR"]).exists()  # a dry run creates nothing
