@@ -666,11 +666,12 @@ def main(argv=None) -> int:
             tag = checkpointing.select_checkpoint(args.load, args.ckpt_step)
             if tag is not None:
                 checkpointing.check_resume_compatible(args.load, tag, config)
-                check_resume_run(args, checkpointing.read_checkpoint_config(args.load, tag), config, launch.rank)
+                saved = checkpointing.read_checkpoint_config(args.load, tag)
+                check_resume_run(args, saved, config, launch.rank)
                 changes = checkpointing.layout_changes(args.load, tag, config)
                 if changes:
                     checkpointing.check_layout_change(args.load, tag, config, changes)
-                check_resume_schedule(args, checkpointing.read_checkpoint_config(args.load, tag), config)
+                check_resume_schedule(args, saved, config)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         return fail(str(exc), launch.rank)
 
