@@ -493,7 +493,11 @@ class OutputLayer(ColumnParallelLinear):
         logits, _ = super().forward(hidden, weight)
         first_pad = self.vocab_size - self.vocab_start  # local index of the first padding column
         if first_pad < logits.shape[-1]:
-            logits[..., max(first_pad, 0):] = float("-inf")
+            # Outside autograd: recorded, the fill would cost a logits-sized copy of the gradient
+            # in backward (CopySlices). Nothing is lost: whatever consumes the logits gives a -inf
+            # column a zero gradient (the cross entropy's softmax is 0 there; gather_logits drops it).
+            with torch.no_grad():
+                logits[..., max(first_pad, 0):] = float("-inf")
         return logits
 
 
@@ -505,47 +509,83 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Megatron's vocab-parallel cross entropy, float32 math without a float32 copy of the logits.
 
     Megatron's version upcasts the whole [tokens, V/TP] logits and saves their softmax (two
-    float32 tensors of the logits' size: 6.6 GB at 16k tokens, V = 50k). Here the logits are
-    upcast one chunk of tokens at a time (CROSS_ENTROPY_CHUNK_BYTES) and only they (in their
-    own dtype) and a float32 log-sum-exp per token are saved; backward rebuilds the softmax
-    chunk by chunk and writes the gradient in the logits' dtype. Same three TP all-reduces
-    (max, sum of exponentials, target logit) as Megatron's.
+    float32 tensors of the logits' size: 6.6 GB at 16k tokens, V = 50k). Here:
+
+    - TP = 1: torch's fused row-wise kernels (`log_softmax` / `softmax` with dtype=float32,
+      which upcast inside the kernel). Float32 logits: their log-softmax replaces them as the
+      saved tensor (same size) and backward is exp, scatter, scale. Other dtypes: one chunk
+      of tokens at a time (CROSS_ENTROPY_CHUNK_BYTES of float32), saving only the logits in
+      their own dtype; backward recomputes the softmax chunk by chunk.
+    - TP > 1: Megatron's three all-reduces (max, sum of exponentials, target logit), chunked
+      the same way; a float32 log-sum-exp per token is saved with the logits.
+
+    The gradient is written in the logits' dtype.
     """
 
     @staticmethod
     def forward(ctx, logits, target, vocab_start, group):
         n, v = logits.shape
-        chunk = max(1, CROSS_ENTROPY_CHUNK_BYTES // (4 * v))
+        ctx.chunk = chunk = max(1, CROSS_ENTROPY_CHUNK_BYTES // (4 * v))
         chunks = range(0, n, chunk)
+        if group is None:  # the whole vocabulary is here: target ids are local, in range
+            target = target.unsqueeze(-1)
+            ctx.log_probs = logits.dtype == torch.float32
+            if ctx.log_probs:
+                log_probs = torch.log_softmax(logits, -1)
+                ctx.save_for_backward(log_probs, target)
+                return log_probs.gather(-1, target).squeeze(-1).neg_()
+            ctx.save_for_backward(logits, target)
+            return _cat([torch.log_softmax(logits[i:i + chunk], -1, dtype=torch.float32)
+                         .gather(-1, target[i:i + chunk]).squeeze(-1).neg_() for i in chunks])
         local = target - vocab_start
         in_range = (local >= 0) & (local < v)
         local = local.clamp(0, v - 1).unsqueeze(-1)
         maxima = _cat([logits[i:i + chunk].float().amax(-1) for i in chunks])
-        if group is not None:
-            torch.distributed.all_reduce(maxima, torch.distributed.ReduceOp.MAX, group=group)
+        torch.distributed.all_reduce(maxima, torch.distributed.ReduceOp.MAX, group=group)
         sums = _cat([(logits[i:i + chunk].float() - maxima[i:i + chunk, None]).exp_().sum(-1) for i in chunks])
         target_logits = logits.gather(-1, local).squeeze(-1).float() * in_range
-        if group is not None:
-            torch.distributed.all_reduce(sums, group=group)
-            torch.distributed.all_reduce(target_logits, group=group)
+        torch.distributed.all_reduce(sums, group=group)
+        torch.distributed.all_reduce(target_logits, group=group)
         lse = sums.log_().add_(maxima)
         ctx.save_for_backward(logits, local, in_range, lse)
-        ctx.chunk = chunk
         return lse - target_logits
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, local, in_range, lse = ctx.saved_tensors
+        grad_loss = grad_loss.unsqueeze(-1)
+        if len(ctx.saved_tensors) == 2 and ctx.log_probs:  # TP = 1, float32: softmax = exp(log-softmax)
+            log_probs, target = ctx.saved_tensors
+            # In place: a fresh logits-sized tensor costs its page faults on CPU. A second
+            # backward through this graph fails loudly (autograd's saved-tensor version check).
+            return _subtract_one_hot(log_probs.exp_(), target).mul_(grad_loss), None, None, None
+        if len(ctx.saved_tensors) == 2:  # TP = 1, other dtypes
+            logits, target = ctx.saved_tensors
+            in_range = None
+
+            def softmax(rows):
+                return torch.softmax(logits[rows], -1, dtype=torch.float32)
+        else:
+            logits, target, in_range, lse = ctx.saved_tensors
+            in_range = in_range.unsqueeze(-1).to(torch.float32)
+
+            def softmax(rows):
+                return (logits[rows].float() - lse[rows, None]).exp_()
         grad = None if logits.shape[0] <= ctx.chunk else torch.empty_like(logits)
         for i in range(0, logits.shape[0], ctx.chunk):
             j = slice(i, i + ctx.chunk)
-            softmax = (logits[j].float() - lse[j, None]).exp_()
-            softmax.scatter_add_(-1, local[j], -in_range[j, None].float())
-            softmax.mul_(grad_loss[j, None])
+            chunk_grad = _subtract_one_hot(softmax(j), target[j], None if in_range is None else in_range[j])
+            chunk_grad.mul_(grad_loss[j])
             if grad is None:  # one chunk: no copy into a gradient buffer
-                return softmax.to(logits.dtype), None, None, None
-            grad[j] = softmax
+                return chunk_grad.to(logits.dtype), None, None, None
+            grad[j] = chunk_grad
         return grad, None, None, None
+
+
+def _subtract_one_hot(probs: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None):
+    """probs[t, target[t]] -= weight[t] (1 when None), in place: softmax - one_hot, the
+    cross entropy's gradient. target and weight are [n, 1]."""
+    minus = torch.full(target.shape, -1.0, dtype=probs.dtype, device=probs.device) if weight is None else -weight
+    return probs.scatter_add_(-1, target, minus)
 
 
 def _cat(chunks: list) -> torch.Tensor:
