@@ -10,6 +10,7 @@ which is the same order; `pipe_topology()` builds it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import os
 import random
@@ -130,16 +131,45 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+# glibc's environment variables for its allocator: a user who sets any of them decides.
+_MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+               "GLIBC_TUNABLES")
+
+
+def retain_freed_cpu_memory() -> bool:
+    """Make glibc keep freed memory for reuse instead of handing it back to the kernel.
+
+    By default glibc serves every allocation over 32 MB (logits, flattened gradients) with
+    a fresh mmap and unmaps it when freed, and trims the heap after each large free, so a
+    CPU training step faults in the same pages again every step: measured on the demo
+    model, about a tenth of a step, most of what DeepSpeed's ZeRO-1 copies cost. With mmap
+    off and a 2 GB trim threshold the process keeps its peak working set (what a GPU's
+    caching allocator does). glibc only, CPU runs only, and not when MALLOC_* or
+    GLIBC_TUNABLES is set. Returns whether it applied.
+    """
+    if any(name in os.environ for name in _MALLOC_ENV):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
+    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+
+
 def init_distributed(backend: str | None = None, timeout_minutes: int = 30) -> LaunchEnv:
     """Start torch.distributed from the launcher's environment (idempotent).
 
-    Backend: nccl on GPUs, gloo on CPU. Sets the CUDA device from the local rank.
+    Backend: nccl on GPUs, gloo on CPU. Sets the CUDA device from the local rank; on CPU
+    keeps freed memory in the process (`retain_freed_cpu_memory`).
     """
     launch = detect_launch_env()
     if dist.is_initialized():
         return launch
     if torch.cuda.is_available():
         torch.cuda.set_device(cuda_device_index(launch, torch.cuda.device_count()))
+    else:
+        retain_freed_cpu_memory()
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     os.environ.setdefault("MASTER_ADDR", launch.master_addr)
     os.environ.setdefault("MASTER_PORT", str(launch.master_port))
