@@ -240,6 +240,8 @@ def _compiled_cpu_mode_product(phi: torch.Tensor, eps: float):
             return mode_product(phi, eps)
         _compiled_mode_product = compiled
         return result
+    if _compiled_mode_product is False:  # failed earlier in this same forward
+        return mode_product(phi, eps)
     return _compiled_mode_product(phi, eps)
 
 
