@@ -17,7 +17,7 @@ This file is torch-only on purpose: the Hugging Face export copies it verbatim
 beside `modeling_lev.py`. Tensor parallelism lives in `lev_parallel.py`. On CUDA, step 5
 (and its backward) runs as two fused Triton kernels from `lev_kernels.py` when Triton is
 installed (`FUSED_MODES_DEVICES`); this file's `_SeparableModes` is the reference and the
-CPU path.
+CPU path, where its per-head reduction (`mode_product`) runs compiled by torch.compile.
 
 Parameters of `LEVGenerator` (names are stable: checkpoints and the HF export
 depend on them). Head-sharded tensors have the head on dim 0; a generator that
@@ -254,7 +254,7 @@ class _SeparableModes(torch.autograd.Function):
     the derivative factor dM/dphi[d] / M = sign(phi[d]) / (|phi[d]| + eps) of the
     sign-parity log-sum form. Forward keeps it and the basis (with its closed-form
     derivative), so backward multiplies the factor by the incoming gradient instead of
-    rebuilding phi and the basis: h * d_s * n * (r + kappa + 6) floats of memory, on CPU,
+    rebuilding phi and the basis: h * d_s * n * (r + kappa + 9) floats of memory, on CPU,
     for one matmul and a dozen passes fewer.
     """
 
