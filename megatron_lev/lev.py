@@ -227,22 +227,19 @@ def _mode_product_function(device: torch.device) -> Callable:
 
 def _compiled_cpu_mode_product(phi: torch.Tensor, eps: float):
     global _compiled_mode_product
-    if _compiled_mode_product is None:
-        compiled = torch.compile(mode_product, dynamic=True)
-        try:
-            result = compiled(phi, eps)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: keep training, eagerly
-            import warnings
-
-            warnings.warn(f"LEV: torch.compile of the CPU mode product failed, using eager PyTorch "
-                          f"(slower, same math): {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-            _compiled_mode_product = False
-            return mode_product(phi, eps)
-        _compiled_mode_product = compiled
-        return result
-    if _compiled_mode_product is False:  # failed earlier in this same forward
+    if _compiled_mode_product is False:  # compilation failed earlier in this process
         return mode_product(phi, eps)
-    return _compiled_mode_product(phi, eps)
+    if _compiled_mode_product is None:
+        _compiled_mode_product = torch.compile(mode_product, dynamic=True)
+    try:  # compiles on the first call, and again for a new model's shapes
+        return _compiled_mode_product(phi, eps)
+    except Exception as exc:  # noqa: BLE001 - any compiler failure: keep training, eagerly
+        import warnings
+
+        warnings.warn(f"LEV: torch.compile of the CPU mode product failed, using eager PyTorch "
+                      f"(slower, same math): {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        _compiled_mode_product = False
+        return mode_product(phi, eps)
 
 
 class _SeparableModes(torch.autograd.Function):
