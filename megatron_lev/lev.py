@@ -220,9 +220,7 @@ _compiled_mode_product = None
 
 
 def _mode_product_function(device: torch.device) -> Callable:
-    if device.type != "cpu" or not COMPILE_CPU_MODE_PRODUCT or _compiled_mode_product is False:
-        return mode_product
-    return _compiled_cpu_mode_product
+    return _compiled_cpu_mode_product if device.type == "cpu" and COMPILE_CPU_MODE_PRODUCT else mode_product
 
 
 def _compiled_cpu_mode_product(phi: torch.Tensor, eps: float):
@@ -270,7 +268,6 @@ class _SeparableModes(torch.autograd.Function):
             factors.append(head_factor)
         modes = torch.stack(modes, dim=1)  # [n, h, r]
         ctx.save_for_backward(coeffs, modes, basis, knots, *dweights, *factors)
-        ctx.num_heads = h
         return modes
 
     @staticmethod
@@ -283,11 +280,11 @@ class _SeparableModes(torch.autograd.Function):
     def _backward(ctx, grad_modes):
         coeffs, modes, basis, knots, *saved = ctx.saved_tensors
         dweights, factor = (saved[0], saved[1:]) if ctx.needs_input_grad[0] else (None, saved)
-        grad_x = torch.empty(modes.shape[0], ctx.num_heads, coeffs.shape[1], dtype=torch.float32,
-                             device=modes.device) if ctx.needs_input_grad[0] else None
+        n, (h, d) = modes.shape[0], coeffs.shape[:2]
+        grad_x = torch.empty(n, h, d, dtype=torch.float32, device=modes.device) if ctx.needs_input_grad[0] else None
         grad_coeffs = torch.empty_like(coeffs) if ctx.needs_input_grad[1] else None
         g = grad_modes.to(torch.float32) * modes  # [n, h, r]
-        for l in range(ctx.num_heads):
+        for l in range(h):
             # In place on the saved factor: a second backward through this graph fails
             # loudly (autograd's saved-tensor version check) instead of reading it twice.
             grad_phi = factor[l].mul_(g[:, l])  # [d, n, r]

@@ -557,11 +557,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         chunks = range(0, n, chunk)
         if group is None:  # the whole vocabulary is here: target ids are local, in range
             target = target.unsqueeze(-1)
-            ctx.log_probs = logits.dtype == torch.float32
-            if ctx.log_probs:
+            if logits.dtype == torch.float32:
+                ctx.saved = "log_probs"
                 log_probs = torch.log_softmax(logits, -1)
                 ctx.save_for_backward(log_probs, target)
                 return log_probs.gather(-1, target).squeeze(-1).neg_()
+            ctx.saved = "logits"
             ctx.save_for_backward(logits, target)
             return _cat([torch.log_softmax(logits[i:i + chunk], -1, dtype=torch.float32)
                          .gather(-1, target[i:i + chunk]).squeeze(-1).neg_() for i in chunks])
@@ -575,25 +576,27 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         torch.distributed.all_reduce(sums, group=group)
         torch.distributed.all_reduce(target_logits, group=group)
         lse = sums.log_().add_(maxima)
+        ctx.saved = "logits_and_lse"
         ctx.save_for_backward(logits, local, in_range, lse)
         return lse - target_logits
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_loss = grad_loss.unsqueeze(-1)
-        if len(ctx.saved_tensors) == 2 and ctx.log_probs:  # TP = 1, float32: softmax = exp(log-softmax)
-            log_probs, target = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        if ctx.saved == "log_probs":  # TP = 1, float32: softmax = exp(log-softmax)
+            log_probs, target = saved
             # In place: a fresh logits-sized tensor costs its page faults on CPU. A second
             # backward through this graph fails loudly (autograd's saved-tensor version check).
             return _subtract_one_hot(log_probs.exp_(), target).mul_(grad_loss), None, None, None
-        if len(ctx.saved_tensors) == 2:  # TP = 1, other dtypes
-            logits, target = ctx.saved_tensors
+        if ctx.saved == "logits":  # TP = 1, other dtypes
+            logits, target = saved
             in_range = None
 
             def softmax(rows):
                 return torch.softmax(logits[rows], -1, dtype=torch.float32)
         else:
-            logits, target, in_range, lse = ctx.saved_tensors
+            logits, target, in_range, lse = saved
             in_range = in_range.unsqueeze(-1).to(torch.float32)
 
             def softmax(rows):
