@@ -5,7 +5,7 @@
     python benchmarks/bench_kernels.py --parts lev --tokens 16384
 
 Runs on CPU and counts the aten operators each part dispatches forward and backward
-(megatron_lev.profiling.KernelCounter: a computing operator is one launched kernel to a
+(megatron_lev.utils.profiling.KernelCounter: a computing operator is one launched kernel to a
 first approximation; views and allocations launch none), the host synchronisations
 (operators whose result the host must read: `unique`, `.item()`, ...) and an estimate of
 the bytes moved (inputs + outputs of every computing operator, i.e. nothing fused).
@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_train
 
 from megatron_lev import lev  # noqa: E402
 from megatron_lev.lev_parallel import ParallelLEVEmbedding  # noqa: E402
-from megatron_lev.profiling import KernelCounter  # noqa: E402
+from megatron_lev.utils.profiling import KernelCounter  # noqa: E402
 
 LEV_1_2B = dict(vocab_size=50_304, hidden_size=2048)
 LIBRARY_OPS = ("aten::mm", "aten::addmm", "aten::bmm")  # kept as library calls by inductor
@@ -106,8 +106,8 @@ def lev_part(tokens: int, seq: int) -> dict:
 
 def decoder_part(tokens: int, seq: int, compiled: bool) -> dict:
     from megatron_lev import parallel
-    from megatron_lev.model import DecoderLayer, model_config_from_dict, rotary_cos_sin
     from megatron_lev.configs import load_config  # noqa: F401  (packaged YAMLs)
+    from megatron_lev.model import DecoderLayer, model_config_from_dict, rotary_cos_sin
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
@@ -186,7 +186,7 @@ def main(argv=None) -> dict:
     text = json.dumps(report, indent=1)
     print(text)
     if args.output:
-        from megatron_lev.data.corpus import atomic_path
+        from megatron_lev.utils.files import atomic_path
 
         with atomic_path(args.output) as tmp, open(tmp, "w") as f:
             f.write(text + "\n")

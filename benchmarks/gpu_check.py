@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 def save_partial(report: dict, output) -> None:
     """The report so far, atomically in `output` (a later time-out keeps it)."""
     if output:
-        from megatron_lev.data.corpus import atomic_path
+        from megatron_lev.utils.files import atomic_path
 
         with atomic_path(output) as tmp, open(tmp, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)

@@ -369,7 +369,7 @@ def main(argv=None) -> dict:
             bench_train.start_process_group(device)
             result = run_dp_engine(args.tiny, args.dp_size, 1, 0, device)
             parallel.destroy_parallel()
-        from megatron_lev.data.corpus import atomic_path
+        from megatron_lev.utils.files import atomic_path
 
         with atomic_path(args.reference) as tmp, open(tmp, "w", encoding="utf-8") as f:
             json.dump(result, f)

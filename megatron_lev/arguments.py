@@ -22,11 +22,7 @@ import yaml
 from megatron_lev.configs import config_path, load_config
 from megatron_lev.megatron_flags import (TRAIN_IGNORED, TRAIN_REFUSED, MegatronArgumentParser, add_compat_flags,
                                          warn_ignored)
-
-
-class ConfigError(ValueError):
-    """A bad flag, config value or combination; the message names the flag(s)."""
-
+from megatron_lev.utils.errors import ConfigError
 
 # Values used when neither a flag nor the YAML's `training:` section sets a key.
 TRAINING_DEFAULTS = {

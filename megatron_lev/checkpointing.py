@@ -33,10 +33,10 @@ import torch.distributed as dist
 import yaml
 
 from megatron_lev import parallel
-from megatron_lev.arguments import ConfigError
-from megatron_lev.data.corpus import atomic_path
 from megatron_lev.safe_load import (CheckpointLoadError, UnsafeCheckpointError, check_checkpoint_files, safe_torch_load,
                                     use_safe_checkpoint_engine)
+from megatron_lev.utils.errors import ConfigError
+from megatron_lev.utils.files import atomic_path, fsync_dir, fsync_file, write_text_atomic
 
 LATEST = "latest"
 COMPLETE_MARKER = "complete.json"
@@ -51,30 +51,6 @@ def checkpoint_tag(iteration: int) -> str:
 def tag_iteration(tag: str) -> Optional[int]:
     match = _TAG_RE.match(tag)
     return int(match.group(1)) if match else None
-
-
-def fsync_file(path: str) -> None:
-    """Flush a file's data to stable storage (a node crash cannot leave it short)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str) -> None:
-    """Flush a folder's entries (the names of files created or renamed in it)."""
-    with contextlib.suppress(OSError):  # some filesystems refuse fsync on a folder
-        fsync_file(path)
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    with atomic_path(path) as tmp:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def _atomic_torch_save(obj, path: str) -> None:
@@ -405,7 +381,7 @@ def convert_to_universal(ckpt_dir: str, tag: str, *, pipeline: bool, num_layers:
         new = (model_to_pipeline_key(name, num_layers, tied) if pipeline
                else pipeline_to_model_key(name, num_layers))
         os.rename(os.path.join(zero, name), os.path.join(zero, new))
-    _atomic_write_text(os.path.join(tmp, COMPLETE_MARKER), json.dumps({"source": tag}))
+    write_text_atomic(os.path.join(tmp, COMPLETE_MARKER), json.dumps({"source": tag}), durable=True)
     os.replace(tmp, out)
     return out
 
@@ -413,8 +389,8 @@ def convert_to_universal(ckpt_dir: str, tag: str, *, pipeline: bool, num_layers:
 def write_run_config(save_dir: str, config: dict) -> None:
     """DIR/config.yaml: the effective configuration of the current run (rank 0)."""
     os.makedirs(save_dir, exist_ok=True)
-    _atomic_write_text(os.path.join(save_dir, "config.yaml"),
-                       yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=100))
+    write_text_atomic(os.path.join(save_dir, "config.yaml"),
+                       yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=100), durable=True)
 
 
 def _barrier():
@@ -441,7 +417,7 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, c
     os.makedirs(os.path.join(tag_dir, "rng"), exist_ok=True)
     _atomic_torch_save(parallel.rng_state_dict(), os.path.join(tag_dir, "rng", f"rank_{rank:05d}.pt"))
     if rank == 0:
-        _atomic_write_text(os.path.join(tag_dir, CONFIG_FILE), json.dumps(config, indent=1, default=str))
+        write_text_atomic(os.path.join(tag_dir, CONFIG_FILE), json.dumps(config, indent=1, default=str), durable=True)
     _barrier()  # every rank's files are written and fsynced
     if rank == 0:
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -451,10 +427,10 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, c
         for root, _, _ in os.walk(tag_dir):
             fsync_dir(root)
         # The marker lists every file with its size: a later truncation is found before loading.
-        _atomic_write_text(os.path.join(tag_dir, COMPLETE_MARKER),
+        write_text_atomic(os.path.join(tag_dir, COMPLETE_MARKER),
                            json.dumps({"iteration": iteration, "world_size": world,
-                                       "consumed_samples": client_state.get("consumed_samples"), "files": sizes}))
-        _atomic_write_text(os.path.join(save_dir, LATEST), tag)
+                                       "consumed_samples": client_state.get("consumed_samples"), "files": sizes}), durable=True)
+        write_text_atomic(os.path.join(save_dir, LATEST), tag, durable=True)
         if keep_last:
             prune_checkpoints(save_dir, keep_last)
     _barrier()

@@ -36,18 +36,15 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_lev import checkpointing
+from megatron_lev.checkpointing import (COMPLETE_MARKER, CONFIG_FILE, checkpoint_tag, complete_checkpoints, find_latest,
+                                        is_complete, read_checkpoint_config, tag_iteration)
 from megatron_lev.lev import HEAD_SHARDED_PARAMETERS, REPLICATED_PARAMETERS
 from megatron_lev.model import LeviathanConfig, merge_tensor_parallel_shards, model_config_from_dict, pad_vocab_size
 from megatron_lev.safe_load import safe_torch_load
-
+from megatron_lev.utils.errors import CheckpointError
 
 # Where model.py's LEV embedding (lev_parallel.ParallelLEVEmbedding) keeps the generator's parameters.
 LEV_PREFIX = "embedding.generator."
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be converted; the message names the file or directory."""
 
 
 # --------------------------------------------------------------------------- partitions
@@ -231,17 +228,17 @@ def find_checkpoint(load_dir: str, iteration: Optional[int] = None) -> Checkpoin
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load {load_dir}: no such directory")
     if iteration is not None:
-        tag = checkpointing.checkpoint_tag(iteration)
+        tag = checkpoint_tag(iteration)
         if not os.path.isdir(os.path.join(load_dir, tag)):
-            found = ", ".join(t for _, t in checkpointing.complete_checkpoints(load_dir)) or "none"
+            found = ", ".join(t for _, t in complete_checkpoints(load_dir)) or "none"
             raise CheckpointError(f"--load {load_dir} --iteration {iteration}: no directory {tag} "
                                   f"(complete checkpoints: {found})")
-        if not checkpointing.is_complete(load_dir, tag):
+        if not is_complete(load_dir, tag):
             raise CheckpointError(f"{os.path.join(load_dir, tag)}: incomplete checkpoint (no "
-                                  f"{checkpointing.COMPLETE_MARKER}: the job died while saving it)")
+                                  f"{COMPLETE_MARKER}: the job died while saving it)")
     else:
         damaged: list[tuple[str, str]] = []
-        tag = checkpointing.find_latest(load_dir, skipped=damaged)
+        tag = find_latest(load_dir, skipped=damaged)
         if tag is None and damaged:
             newest, problem = damaged[0]
             raise CheckpointError(f"--load {load_dir}: checkpoint {newest} is damaged ({problem}) and no older "
@@ -251,11 +248,11 @@ def find_checkpoint(load_dir: str, iteration: Optional[int] = None) -> Checkpoin
                   f"({damaged[0][1]})", file=sys.stderr)
         if tag is None:
             raise CheckpointError(f"--load {load_dir}: no complete checkpoint (no iter_NNNNNNN/"
-                                  f"{checkpointing.COMPLETE_MARKER}): is it a megatron_lev.train --save directory?")
-    config_file = os.path.join(load_dir, tag, checkpointing.CONFIG_FILE)
+                                  f"{COMPLETE_MARKER}): is it a megatron_lev.train --save directory?")
+    config_file = os.path.join(load_dir, tag, CONFIG_FILE)
     if not os.path.isfile(config_file):
         raise CheckpointError(f"{config_file}: missing: unknown checkpoint layout (not written by megatron_lev.train)")
-    config = checkpointing.read_checkpoint_config(load_dir, tag)
+    config = read_checkpoint_config(load_dir, tag)
     model_section = config.get("model_resolved") or config.get("model")
     training = config.get("training") or {}
     if not isinstance(model_section, dict) or "tensor_model_parallel_size" not in training:
@@ -266,7 +263,7 @@ def find_checkpoint(load_dir: str, iteration: Optional[int] = None) -> Checkpoin
     zero_stage = int((config.get("deepspeed") or {}).get("zero_optimization", {}).get("stage")
                      or training.get("zero_stage") or 1)
     layout = "pipeline" if pp > 1 else ("zero3" if zero_stage == 3 else "plain")
-    return CheckpointInfo(load_dir=load_dir, tag=tag, iteration=checkpointing.tag_iteration(tag) or 0,
+    return CheckpointInfo(load_dir=load_dir, tag=tag, iteration=tag_iteration(tag) or 0,
                           config=config, model_section=model_section, tensor_model_parallel_size=tp,
                           pipeline_model_parallel_size=pp, zero_stage=zero_stage, layout=layout)
 
@@ -350,7 +347,7 @@ def read_checkpoint(info: CheckpointInfo, replicated_atol: float = 0.0) -> dict[
     config = info.model_config()
     tp = info.tensor_model_parallel_size
     ranks = []
-    from megatron_lev.progress import progress_bar
+    from megatron_lev.utils.progress import progress_bar
 
     for tp_rank in progress_bar(range(tp), f"reading {info.path}", unit="TP rank"):
         if info.layout == "pipeline":

@@ -192,7 +192,6 @@ def generate(hf_dir: str, run_dir: str, prompts, max_new_tokens: int, sample_see
     from megatron_lev.convert import find_checkpoint, load_full_state_dict, read_checkpoint
     from megatron_lev.data.tokenizer import build_tokenizer
     from megatron_lev.model import LeviathanModel
-
     from megatron_lev.safe_load import hf_trust_remote_code
 
     trust = hf_trust_remote_code(hf_dir, trust_remote_code)  # refuses code that is not ours
@@ -379,8 +378,7 @@ def publish(layout: Layout, docs: str) -> dict:
     """docs/demo_results.{json,md} and the two plots, from a finished default demo."""
     import shutil
 
-    from megatron_lev.data.corpus import atomic_path
-    from megatron_lev.evaluation.report import write_json_atomic, write_text_atomic
+    from megatron_lev.utils.files import atomic_path, write_json_atomic, write_text_atomic
 
     results = demo_results(layout)
     _, summary = build_summary(layout)
@@ -447,7 +445,7 @@ def main(argv=None) -> int:
               + ", ".join(f"{n} {r['final']:.4f}" for n, r in results["valid_loss"].items()) + ")")
         return 0
     if args.command == "summary":
-        from megatron_lev.evaluation.report import write_json_atomic, write_text_atomic
+        from megatron_lev.utils.files import write_json_atomic, write_text_atomic
 
         layout = Layout.under(args.out)
         summary, markdown = build_summary(layout)
@@ -456,8 +454,9 @@ def main(argv=None) -> int:
         print(markdown)
         return 0
 
-    from megatron_lev.evaluation.report import parse_named, write_json_atomic
     from megatron_lev import parallel
+    from megatron_lev.evaluation.report import parse_named
+    from megatron_lev.utils.files import write_json_atomic
 
     try:
         if args.command == "generate" and args.max_new_tokens < 1:

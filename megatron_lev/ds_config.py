@@ -37,7 +37,7 @@ import copy
 import json
 from pathlib import Path
 
-from megatron_lev.arguments import ConfigError
+from megatron_lev.utils.errors import ConfigError
 
 DS_CONFIG_DIR = Path(__file__).resolve().parent / "deepspeed_configs"
 DEFAULT_ZERO_STAGE = 1

@@ -52,7 +52,8 @@ import torch
 
 from megatron_lev.evaluation import buckets as bk
 from megatron_lev.evaluation.frequency import count_blend_frequencies, frequency_cache_path, train_sequence_range
-from megatron_lev.evaluation.report import ComparisonTable, parse_named, write_json_atomic, write_text_atomic
+from megatron_lev.evaluation.report import ComparisonTable, parse_named
+from megatron_lev.utils.files import write_json_atomic, write_text_atomic
 
 _TAG_DIR = re.compile(r"^iter_(\d+)$")
 _RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -91,12 +92,12 @@ def model_source(path: str, flag: str = "--model") -> tuple[str, str, Optional[i
     path = os.path.abspath(path.rstrip("/"))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{flag} {path}: no such directory")
-    from megatron_lev import checkpointing
+    from megatron_lev.checkpointing import CONFIG_FILE, LATEST, complete_checkpoints
 
     match = _TAG_DIR.match(os.path.basename(path))
-    if match and os.path.isfile(os.path.join(path, checkpointing.CONFIG_FILE)):
+    if match and os.path.isfile(os.path.join(path, CONFIG_FILE)):
         return "checkpoint", os.path.dirname(path), int(match.group(1))
-    if os.path.isfile(os.path.join(path, checkpointing.LATEST)) or checkpointing.complete_checkpoints(path):
+    if os.path.isfile(os.path.join(path, LATEST)) or complete_checkpoints(path):
         return "checkpoint", path, None
     if os.path.isfile(os.path.join(path, "config.json")):
         return "hf", path, None
@@ -431,7 +432,7 @@ def run(args) -> dict:
         counts, bucketings, freq_meta = (None, {}, None)
         if args.freq_dataset:
             counts, bucketings, freq_meta = frequency_section(args, settings, models[0].vocab_size)
-        from megatron_lev.progress import progress_bar
+        from megatron_lev.utils.progress import progress_bar
 
         batches = progress_bar(eval_batches(dataset, num_samples, args.micro_batch_size, args.eval_tokens, device),
                                "scoring", total=math.ceil(num_samples / args.micro_batch_size), unit="batch")

@@ -211,7 +211,7 @@ TABLE_HEADING = "## Megatron-LM flag → here"
 def write_flag_table(page: str) -> None:
     """Replace the table under TABLE_HEADING in `page` (docs/training.md) with flag_table():
     `python -m megatron_lev.megatron_flags docs/training.md` after adding a flag."""
-    from megatron_lev.data.corpus import atomic_path
+    from megatron_lev.utils.files import atomic_path
 
     with open(page, encoding="utf-8") as f:
         text = f.read()

@@ -21,8 +21,7 @@ import uuid
 import warnings
 from typing import Optional
 
-from megatron_lev.data.corpus import atomic_path
-
+from megatron_lev.utils.files import atomic_path
 
 # metrics.jsonl key -> Megatron-LM's TensorBoard/W&B tag (megatron/training/training.py);
 # the rest are ours, spelled the same way.

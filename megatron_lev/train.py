@@ -39,14 +39,18 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_lev import checkpointing, parallel
-from megatron_lev.arguments import (ConfigError, derive_vocab_size, effective_config, format_config, parse_args,
-                                    summarize_config, validate_args)
+from megatron_lev import parallel
+from megatron_lev.arguments import (derive_vocab_size, effective_config, format_config, parse_args, summarize_config,
+                                    validate_args)
+from megatron_lev.checkpointing import (UNIVERSAL, check_layout_change, check_resume_compatible, layout_changes,
+                                        load_checkpoint, read_checkpoint_config, save_checkpoint, select_checkpoint,
+                                        select_readable_checkpoint, write_run_config)
 from megatron_lev.ds_config import build_deepspeed_config, offloads_optimizer
 from megatron_lev.flops import FlopsModel, peak_flops_per_device, training_flops
 from megatron_lev.metrics import MetricsWriter
 from megatron_lev.optim import build_lr_scheduler, build_optimizer, schedule_mismatch
 from megatron_lev.safe_load import CheckpointLoadError
+from megatron_lev.utils.errors import ConfigError
 
 EXIT_OK, EXIT_SKIPPED_STEPS, EXIT_CONFIG = 0, 1, 2
 _PROCESS_START = time.time()  # --exit-duration-in-mins counts start-up too (a job's wall time does)
@@ -273,6 +277,7 @@ def micro_batches(dataset, consumed_samples: int, args, device,
     """This DP rank's micro-batches from `consumed_samples` on, on `device` (with LEV's
     distinct ids when `lev_vocab_size` is given: see collate_pretraining_batch)."""
     from megatron.core import parallel_state
+
     from megatron_lev.data.datasets import build_pretraining_data_loader
 
     loader = build_pretraining_data_loader(
@@ -360,9 +365,9 @@ class Trainer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         # Collective: a checkpoint with an unreadable file falls back to the previous one.
-        resume_tag = checkpointing.select_readable_checkpoint(args.load, args.ckpt_step) if args.load else None
+        resume_tag = select_readable_checkpoint(args.load, args.ckpt_step) if args.load else None
         # A checkpoint of another TP/PP/DP size or ZeRO stage loads through DeepSpeed's universal form.
-        self.layout_changes = checkpointing.layout_changes(args.load, resume_tag, config) if resume_tag else []
+        self.layout_changes = layout_changes(args.load, resume_tag, config) if resume_tag else []
         if self.layout_changes:
             ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
         self.engine = build_engine(args, model_config, ds_config)
@@ -383,13 +388,13 @@ class Trainer:
             if tag is not None:
                 universal = None
                 if self.layout_changes:
-                    universal_dir = os.path.join(args.load, tag, checkpointing.UNIVERSAL)
+                    universal_dir = os.path.join(args.load, tag, UNIVERSAL)
                     parallel.print_rank_0(f"--load {args.load}: checkpoint {tag} was saved under another layout ("
                                           f"{'; '.join(self.layout_changes)}); loading it through DeepSpeed's "
                                           f"universal checkpoint in {universal_dir}")
                     universal = dict(pipeline=self.is_pipeline, num_layers=model_config.num_layers,
                                      tied=model_config.embedding == "tied")
-                client = checkpointing.load_checkpoint(self.engine, args.load, tag, load_optimizer=not args.no_load_optim,
+                client = load_checkpoint(self.engine, args.load, tag, load_optimizer=not args.no_load_optim,
                                                        universal=universal, files_checked=True)
                 # Counters always continue (Megatron resets them only for --finetune).
                 self.state = TrainState.from_client_state(client)
@@ -494,7 +499,7 @@ class Trainer:
         if not self.args.save or self.last_saved == self.state.iteration:
             return
         t0 = time.perf_counter()
-        tag = checkpointing.save_checkpoint(self.engine, self.args.save, self.state.iteration,
+        tag = save_checkpoint(self.engine, self.args.save, self.state.iteration,
                                             self.state.client_state(self.config), self.config,
                                             keep_last=self.args.keep_last_checkpoints)
         self.last_saved = self.state.iteration
@@ -663,14 +668,14 @@ def main(argv=None) -> int:
         config["deepspeed"] = ds_config
         config["tokenizer"] = tokenizer.describe()
         if args.load:
-            tag = checkpointing.select_checkpoint(args.load, args.ckpt_step)
+            tag = select_checkpoint(args.load, args.ckpt_step)
             if tag is not None:
-                checkpointing.check_resume_compatible(args.load, tag, config)
-                saved = checkpointing.read_checkpoint_config(args.load, tag)
+                check_resume_compatible(args.load, tag, config)
+                saved = read_checkpoint_config(args.load, tag)
                 check_resume_run(args, saved, config, launch.rank)
-                changes = checkpointing.layout_changes(args.load, tag, config)
+                changes = layout_changes(args.load, tag, config)
                 if changes:
-                    checkpointing.check_layout_change(args.load, tag, config, changes)
+                    check_layout_change(args.load, tag, config, changes)
                 check_resume_schedule(args, saved, config)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         return fail(str(exc), launch.rank)
@@ -683,7 +688,7 @@ def main(argv=None) -> int:
         parallel.set_seed(args.seed)
         if parallel.is_rank_0():
             if args.save:  # the full configuration goes to the run folder, a summary to stdout
-                checkpointing.write_run_config(args.save, config)
+                write_run_config(args.save, config)
                 print(summarize_config(config, os.path.join(args.save, "config.yaml")), flush=True)
             else:
                 print("effective configuration:\n" + format_config(config), flush=True)

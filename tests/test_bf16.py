@@ -11,9 +11,10 @@ import shutil
 import pytest
 import torch
 
-from megatron_lev import checkpointing
-from megatron_lev.arguments import ConfigError
+from megatron_lev.checkpointing import (COMPLETE_MARKER, UNIVERSAL, UNIVERSAL_INFO_KEY, checkpoint_tag,
+                                        convert_to_universal)
 from megatron_lev.safe_load import safe_torch_load
+from megatron_lev.utils.errors import ConfigError
 from tests.distributed import run_distributed
 from tests.test_train import TRAIN_ITERS, _main_error, read_metrics, train_flags, train_records
 
@@ -104,7 +105,7 @@ def bf16_work(tiny_dataset, spm_tokenizer, tmp_path_factory):
     def ckpt(name):
         return os.path.join(work, "ckpt_" + name)
 
-    resume_dir, resume_tag = ckpt("resume"), checkpointing.checkpoint_tag(RESUME_AT)
+    resume_dir, resume_tag = ckpt("resume"), checkpoint_tag(RESUME_AT)
     # Layouts: 6 steps, checkpoints every 3 steps; DP=2 ZeRO-1 (DeepSpeed's BF16_Optimizer) runs
     # all 30 steps: the uninterrupted run of the exact-resume test.
     two = {f"bf16_{name}": ("train", flags(f"bf16_{name}", *layout, "--save", ckpt(name), "--save-interval",
@@ -131,7 +132,7 @@ def bf16_work(tiny_dataset, spm_tokenizer, tmp_path_factory):
     results.update(zip(two, per_rank[0]))
     # Resume on 1 rank from each 2-rank layout's step-3 checkpoint (a copy: the runs went on to 6).
     for name in SCALE_CHANGES:
-        src = os.path.join(ckpt(name), checkpointing.checkpoint_tag(SAVE_AT))
+        src = os.path.join(ckpt(name), checkpoint_tag(SAVE_AT))
         shutil.copytree(src, os.path.join(ckpt("from_" + name), os.path.basename(src)))
         one[f"scale_{name}"] = ("train", flags(f"scale_{name}", "--load", ckpt("from_" + name),
                                                "--exit-interval", str(LAYOUT_STEPS), "--eval-interval", str(SAVE_AT)))
@@ -167,7 +168,7 @@ def test_bf16_layouts_match_one_rank(bf16_work):
     print("bf16 layouts, max |loss - 1 rank| over 6 steps:", diffs)
     assert max(diffs.values()) < BF16_LOSS_ATOL, diffs
     # The runs really were bf16: the saved module weights are bf16.
-    module = safe_torch_load(os.path.join(work, "ckpt_dp2_z1", checkpointing.checkpoint_tag(SAVE_AT),
+    module = safe_torch_load(os.path.join(work, "ckpt_dp2_z1", checkpoint_tag(SAVE_AT),
                                           "mp_rank_00_model_states.pt"))["module"]
     assert {v.dtype for v in module.values() if v is not None} == {torch.bfloat16}
 
@@ -223,9 +224,9 @@ def test_resume_at_another_scale(bf16_work):
         full_valid = [r for r in read_metrics(work, f"bf16_{name}") if r.get("iteration") == LAYOUT_STEPS
                       and "valid_loss" in r]
         diffs[name + " valid"] = abs(valid[0]["valid_loss"] - full_valid[0]["valid_loss"])
-        universal = os.path.join(work, f"ckpt_from_{name}", checkpointing.checkpoint_tag(SAVE_AT),
-                                 checkpointing.UNIVERSAL)
-        assert os.path.isfile(os.path.join(universal, checkpointing.COMPLETE_MARKER)), name
+        universal = os.path.join(work, f"ckpt_from_{name}", checkpoint_tag(SAVE_AT),
+                                 UNIVERSAL)
+        assert os.path.isfile(os.path.join(universal, COMPLETE_MARKER)), name
     print("resumed on 1 rank vs uninterrupted 2-rank run, max |loss diff| steps 4-6:", diffs)
     assert max(diffs.values()) < BF16_LOSS_ATOL, diffs
 
@@ -248,22 +249,22 @@ def test_impossible_layout_changes_say_what_to_do(bf16_work, tiny_dataset, spm_t
     ckpt = os.path.join(work, "ckpt_dp2_z1")
     flags = train_flags(tiny_dataset, spm_tokenizer, str(tmp_path), "err", "--config", "tiny-lev", "--bf16")
     err = _main_error(monkeypatch, capsys, *flags, "--load", ckpt, "--zero-stage", "3")
-    latest = checkpointing.checkpoint_tag(TRAIN_ITERS)
+    latest = checkpoint_tag(TRAIN_ITERS)
     assert err.startswith(f"megatron_lev.train: error: --load {ckpt}: checkpoint {latest} was saved under ZeRO "
                           "stage 1 and this run uses stage 3 (zero stage: 1 -> 3)")
     assert err.endswith("DeepSpeed's universal checkpoint does not convert between ZeRO-3 and stages 1/2; resume "
                         "with --zero-stage 1")
 
     old = str(tmp_path / "old")
-    tag = checkpointing.checkpoint_tag(SAVE_AT)
+    tag = checkpoint_tag(SAVE_AT)
     shutil.copytree(os.path.join(ckpt, tag), os.path.join(old, tag))
     for name in os.listdir(os.path.join(old, tag)):
         if name.startswith("mp_rank_"):
             path = os.path.join(old, tag, name)
             state = safe_torch_load(path)
-            del state[checkpointing.UNIVERSAL_INFO_KEY]
+            del state[UNIVERSAL_INFO_KEY]
             torch.save(state, path)
     with pytest.raises(ConfigError, match=f"checkpoint {tag} predates universal checkpoint support .*resume it with "
                                           "the layout it was saved with, let it save once, then change the layout"):
-        checkpointing.convert_to_universal(old, tag, pipeline=False, num_layers=2, tied=False)
-    assert not os.path.exists(os.path.join(old, tag, checkpointing.UNIVERSAL))
+        convert_to_universal(old, tag, pipeline=False, num_layers=2, tied=False)
+    assert not os.path.exists(os.path.join(old, tag, UNIVERSAL))

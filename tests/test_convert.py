@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from megatron_lev import checkpointing
+from megatron_lev.checkpointing import COMPLETE_MARKER
 from megatron_lev.safe_load import hf_trust_remote_code
 from tests.distributed import run_distributed
 from tests.fixtures import assert_release_modes
@@ -462,7 +462,7 @@ def test_unknown_layout(checkpoints, tmp_path, capsys):
     for path in glob.glob(os.path.join(tag_dir, "*model_states.pt")):
         os.rename(path, path + ".bak")
     # A marker without a file list (as older runs wrote) lets the layout check, not the damage check, speak.
-    marker = os.path.join(tag_dir, checkpointing.COMPLETE_MARKER)
+    marker = os.path.join(tag_dir, COMPLETE_MARKER)
     with open(marker, encoding="utf-8") as f:
         info = json.load(f)
     info.pop("files")

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from megatron_lev.evaluation import buckets as bk
-from megatron_lev.evaluation import curves, frequency, plots, report
+from megatron_lev.evaluation import curves, frequency, plots
+from megatron_lev.evaluation.report import ComparisonTable, relative_change
 from tests.distributed import torchrun
 
 EVAL_ITERS, GLOBAL_BATCH, SEQ = 2, 8, 64  # tiny-lev: global batch 8, sequence 64
@@ -174,7 +175,7 @@ def test_bucket_nll_weighted_by_counts_equals_overall():
 # ---------------------------------------------------------------- tables and plots
 
 def test_comparison_table_relative_change():
-    table = report.ComparisonTable("t", ["rare", "common"], {"tied": [100.0, 10.0], "lev": [19.0, 9.9]},
+    table = ComparisonTable("t", ["rare", "common"], {"tied": [100.0, 10.0], "lev": [19.0, 9.9]},
                                    baseline="tied", info_columns={"eval tokens": [12, 3400]}, metric_name="ppl")
     data = table.to_json()
     assert data["rows"][0]["relative_change_pct"]["lev"] == pytest.approx(-81.0)
@@ -183,7 +184,7 @@ def test_comparison_table_relative_change():
     assert "| rare | 12 | 100.00 | 19.00 | -81.0% |" in md
     assert "| common | 3,400 | 10.00 | 9.9000 | -1.0% |" in md
     with pytest.raises(ValueError, match="baseline 'x'"):
-        report.ComparisonTable("t", ["a"], {"m": [1.0]}, baseline="x")
+        ComparisonTable("t", ["a"], {"m": [1.0]}, baseline="x")
 
 
 def test_plots_are_pngs_of_the_requested_size(tmp_path):
@@ -460,7 +461,7 @@ def test_lm_eval_runs_offline_on_local_tasks(tmp_path, lev_exports, monkeypatch)
     by_label = {r["label"]: r for r in rel}
     base_acc = by_label["piqa / acc"]["values"]["base"]
     other_acc = by_label["piqa / acc"]["values"]["other"]
-    assert by_label["piqa / acc"]["relative_change_pct"]["other"] == report.relative_change(other_acc, base_acc)
+    assert by_label["piqa / acc"]["relative_change_pct"]["other"] == relative_change(other_acc, base_acc)
     assert "| lambada_openai / perplexity |" in markdown and "| piqa / acc |" in markdown
 
 

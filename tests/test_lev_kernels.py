@@ -12,7 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 from megatron_lev import lev, lev_kernels  # noqa: E402
 from megatron_lev.data.datasets import collate_pretraining_batch  # noqa: E402
 from megatron_lev.lev_parallel import ParallelLEVEmbedding  # noqa: E402
-from megatron_lev.profiling import KernelCounter  # noqa: E402
+from megatron_lev.utils.profiling import KernelCounter  # noqa: E402
 
 # Not powers of two (r, kappa), rows not a multiple of the kernels' block: masks exercised.
 CFG = dict(vocab_size=1000, hidden_size=12, seed_dim=5, num_heads=2, num_knots=5, num_modes=3)

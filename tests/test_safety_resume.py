@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 
-from megatron_lev import checkpointing
+from megatron_lev.checkpointing import COMPLETE_MARKER, find_latest, read_checkpoint_config
 from tests.distributed import run_distributed
 from tests.test_train import _main_error, read_metrics, train_flags, train_records
 
@@ -100,7 +100,7 @@ def test_checkpoint_files_fsynced_before_marker(safety_runs):
     events0 = results[0]["events"]
     for tag, files in results[0]["files"].items():
         tag_dir = os.path.join(work, "ckpt", tag)
-        marker = os.path.join(tag_dir, checkpointing.COMPLETE_MARKER)
+        marker = os.path.join(tag_dir, COMPLETE_MARKER)
         assert marker in files and any(f.endswith("_model_states.pt") for f in files)
         assert set(files) <= fsynced, sorted(set(files) - fsynced)
         marker_at = events0.index(("replace", marker))
@@ -109,7 +109,7 @@ def test_checkpoint_files_fsynced_before_marker(safety_runs):
         assert {f for f in files if f != marker} & {_final_name(p) for p in before}  # rank 0's own files first
         assert _final_name(events0[marker_at - 1][1]) == marker  # the marker's data, right before its rename
     assert os.path.join(work, "ckpt", "latest") in fsynced
-    with open(os.path.join(work, "ckpt", "iter_0000002", checkpointing.COMPLETE_MARKER)) as f:
+    with open(os.path.join(work, "ckpt", "iter_0000002", COMPLETE_MARKER)) as f:
         sizes = json.load(f)["files"]
     assert sizes["mp_rank_00_model_states.pt"] == os.path.getsize(
         os.path.join(work, "ckpt", "iter_0000002", "mp_rank_00_model_states.pt"))
@@ -135,7 +135,7 @@ def test_damaged_checkpoints_skipped_for_previous_and_metrics_appended(safety_ru
     assert [r["loss"] for r in lines[6:8]] == [r["loss"] for r in lines[2:4]]  # bit-exact resume from 2
     assert [r["grad_norm"] for r in lines[6:8]] == [r["grad_norm"] for r in lines[2:4]]
     assert lines[-1]["consumed_samples"] == 5 * 8  # C continued from B's checkpoint 4
-    assert checkpointing.find_latest(os.path.join(work, "ckpt")) == "iter_0000005"
+    assert find_latest(os.path.join(work, "ckpt")) == "iter_0000005"
 
 
 def test_start_up_refusals(safety_runs, tiny_dataset, spm_tokenizer, tmp_path, monkeypatch, capsys):
@@ -183,12 +183,12 @@ def test_resume_tokenizer_refused_and_data_path_warned(safety_runs, capsys):
     import argparse
     import copy
 
-    from megatron_lev.arguments import ConfigError
     from megatron_lev.train import check_resume_run
+    from megatron_lev.utils.errors import ConfigError
 
     work, _ = safety_runs
     save = os.path.join(work, "ckpt")
-    saved = checkpointing.read_checkpoint_config(save, "iter_0000005")
+    saved = read_checkpoint_config(save, "iter_0000005")
     assert len(saved["tokenizer"]["sha256"]) == 64
     now = copy.deepcopy(saved)
     now["training"]["data_path"] = ["/elsewhere/other_text_document"]

@@ -40,9 +40,9 @@ def write_hostile_checkpoint_file(path: str, marker: str) -> None:
     """A torch.save file shaped like DeepSpeed's (a dict with 'module'), with a hostile pickle.
     In a checkpoint folder, complete.json's size list is updated too (an attacker ships both)."""
     torch.save({"module": _Hostile(marker), "iteration": 1}, path)
-    from megatron_lev import checkpointing
+    from megatron_lev.checkpointing import COMPLETE_MARKER
 
-    complete = os.path.join(os.path.dirname(path), checkpointing.COMPLETE_MARKER)
+    complete = os.path.join(os.path.dirname(path), COMPLETE_MARKER)
     if os.path.isfile(complete):
         with open(complete, encoding="utf-8") as f:
             record = json.load(f)
@@ -63,7 +63,7 @@ def _train_then_load_hostile(rank, world_size, train_argv, load_argv, save, host
     the share of files rank 1 checks; every rank then runs `--load` of the copy."""
     import torch.distributed as dist
 
-    from megatron_lev import checkpointing
+    from megatron_lev.checkpointing import find_latest
     from megatron_lev.safe_load import checkpoint_files
     from megatron_lev.train import main
 
@@ -71,7 +71,7 @@ def _train_then_load_hostile(rank, world_size, train_argv, load_argv, save, host
     planted = None
     if rank == 0:
         shutil.copytree(save, hostile)
-        tag_dir = os.path.join(hostile, checkpointing.find_latest(hostile))
+        tag_dir = os.path.join(hostile, find_latest(hostile))
         # rank 1's share in check_checkpoint_files: only rank 1 can see the hostile file,
         # so rank 0 can only report it if the check is collective.
         planted = next(p for p in checkpoint_files(tag_dir)[1::2] if p.endswith("_optim_states.pt"))

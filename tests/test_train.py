@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-from megatron_lev import checkpointing
+from megatron_lev.checkpointing import (COMPLETE_MARKER, CONFIG_FILE, checkpoint_file_sizes, checkpoint_tag,
+                                        complete_checkpoints, find_latest, is_complete)
 from tests.distributed import free_port, run_distributed
 
 TRAIN_ITERS = 30
@@ -145,11 +146,11 @@ def test_exact_resume(two_rank_runs):
                      if "valid_loss" in r and r["iteration"] > 15]
     # Checkpoints every 5 steps, the newest 2 kept, `latest` on the last one.
     ckpt = os.path.join(two_rank_runs, "ckpt_resume")
-    assert [tag for _, tag in checkpointing.complete_checkpoints(ckpt)] == ["iter_0000025", "iter_0000030"]
-    assert checkpointing.find_latest(ckpt) == "iter_0000030"
+    assert [tag for _, tag in complete_checkpoints(ckpt)] == ["iter_0000025", "iter_0000030"]
+    assert find_latest(ckpt) == "iter_0000030"
     with open(os.path.join(ckpt, "latest")) as f:
         assert f.read() == "iter_0000030"
-    with open(os.path.join(ckpt, "iter_0000030", checkpointing.CONFIG_FILE)) as f:
+    with open(os.path.join(ckpt, "iter_0000030", CONFIG_FILE)) as f:
         saved = json.load(f)
     assert saved["model"]["embedding"] == "lev" and saved["training"]["data_parallel_size"] == 2
     assert os.path.isfile(os.path.join(ckpt, "config.yaml"))
@@ -158,7 +159,7 @@ def test_exact_resume(two_rank_runs):
 
 def test_exit_duration_checkpoints_and_exits_zero(two_rank_runs):
     assert sorted(train_records(two_rank_runs, "out_of_time")) == [1]
-    assert checkpointing.find_latest(os.path.join(two_rank_runs, "ckpt_out_of_time")) == "iter_0000001"
+    assert find_latest(os.path.join(two_rank_runs, "ckpt_out_of_time")) == "iter_0000001"
 
 
 def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(two_rank_runs):
@@ -172,7 +173,7 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(two_rank_runs):
         # skipped step runs at the rate after the one applied step.
         assert records[it]["lr"] == records[2]["lr"] < records[1]["lr"] == 1e30
     ckpt = os.path.join(two_rank_runs, "ckpt_nonfinite")
-    assert checkpointing.find_latest(ckpt) == "iter_0000004"
+    assert find_latest(ckpt) == "iter_0000004"
 
 
 def _main_error(monkeypatch, capsys, *argv, world_size=2):
@@ -261,19 +262,19 @@ def test_sigterm_checkpoints_and_exits_zero(tiny_dataset, spm_tokenizer, tmp_pat
     assert [(int(m[1]), int(m[2]), m[3], m[4]) for m in logged] == [
         (i, 8 * i, f"{records[i]['lr']:.6E}", f"{records[i]['loss']:.6E}") for i in range(1, last + 1)]
     assert f"full configuration: {save}/config.yaml" in out and "Transformer Engine and Apex" not in out
-    tag = checkpointing.checkpoint_tag(last)
-    assert checkpointing.is_complete(save, tag) and checkpointing.find_latest(save) == tag
-    with open(os.path.join(save, tag, checkpointing.COMPLETE_MARKER)) as f:
+    tag = checkpoint_tag(last)
+    assert is_complete(save, tag) and find_latest(save) == tag
+    with open(os.path.join(save, tag, COMPLETE_MARKER)) as f:
         marker = json.load(f)
     assert {k: marker[k] for k in ("iteration", "world_size", "consumed_samples")} == \
         {"iteration": last, "world_size": 2, "consumed_samples": 8 * last}
-    assert marker["files"] == checkpointing.checkpoint_file_sizes(os.path.join(save, tag))  # every file, its size
+    assert marker["files"] == checkpoint_file_sizes(os.path.join(save, tag))  # every file, its size
 
     # A save that died half-way: files of a newer tag, no marker; `latest` even points at it.
-    newer = checkpointing.checkpoint_tag(last + 1)
+    newer = checkpoint_tag(last + 1)
     shutil.copytree(os.path.join(save, tag), os.path.join(save, newer))
-    os.remove(os.path.join(save, newer, checkpointing.COMPLETE_MARKER))
+    os.remove(os.path.join(save, newer, COMPLETE_MARKER))
     with open(os.path.join(save, "latest"), "w") as f:
         f.write(newer)
     with pytest.warns(UserWarning, match="not a complete checkpoint"):
-        assert checkpointing.find_latest(save) == tag
+        assert find_latest(save) == tag

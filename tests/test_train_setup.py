@@ -7,11 +7,13 @@ import os
 import pytest
 import torch
 
-from megatron_lev import checkpointing
-from megatron_lev.arguments import ConfigError, effective_config, parse_args, validate_args
+from megatron_lev.arguments import effective_config, parse_args, validate_args
+from megatron_lev.checkpointing import (COMPLETE_MARKER, CONFIG_FILE, check_resume_compatible, checkpoint_tag,
+                                        find_latest, layout_changes, prune_checkpoints)
 from megatron_lev.ds_config import build_deepspeed_config
 from megatron_lev.flops import FlopsModel, peak_flops_per_device, training_flops
 from megatron_lev.optim import param_groups, uses_weight_decay
+from megatron_lev.utils.errors import ConfigError
 
 DATA = ["--data-path", "/nonexistent/prefix", "--tokenizer-type", "SentencePieceTokenizer",
         "--tokenizer-model", "/nonexistent/spm.model"]
@@ -213,32 +215,32 @@ def test_recompute_flags_reach_the_model():
 
 
 def _fake_checkpoint(root, iteration, complete=True, config=None):
-    tag = checkpointing.checkpoint_tag(iteration)
+    tag = checkpoint_tag(iteration)
     os.makedirs(root / tag / "rng", exist_ok=True)
     (root / tag / "mp_rank_00_model_states.pt").write_bytes(b"partial")
     if config is not None:
-        (root / tag / checkpointing.CONFIG_FILE).write_text(json.dumps(config))
+        (root / tag / CONFIG_FILE).write_text(json.dumps(config))
     if complete:
-        (root / tag / checkpointing.COMPLETE_MARKER).write_text("{}")
+        (root / tag / COMPLETE_MARKER).write_text("{}")
     return tag
 
 
 def test_latest_never_picks_a_half_written_checkpoint_and_pruning(tmp_path):
-    assert checkpointing.find_latest(str(tmp_path / "missing")) is None  # --load of nothing: fresh start
-    assert checkpointing.find_latest(str(tmp_path)) is None
+    assert find_latest(str(tmp_path / "missing")) is None  # --load of nothing: fresh start
+    assert find_latest(str(tmp_path)) is None
     for it in (2, 4, 6):
         _fake_checkpoint(tmp_path, it)
     (tmp_path / "latest").write_text("iter_0000006")
     _fake_checkpoint(tmp_path, 8, complete=False)  # killed mid-save
-    assert checkpointing.find_latest(str(tmp_path)) == "iter_0000006"
+    assert find_latest(str(tmp_path)) == "iter_0000006"
     (tmp_path / "latest").write_text("iter_0000008")  # even if `latest` names it
     with pytest.warns(UserWarning, match="not a complete checkpoint"):
-        assert checkpointing.find_latest(str(tmp_path)) == "iter_0000006"
+        assert find_latest(str(tmp_path)) == "iter_0000006"
     (tmp_path / "latest").unlink()  # died between the marker and `latest`
-    assert checkpointing.find_latest(str(tmp_path)) == "iter_0000006"
+    assert find_latest(str(tmp_path)) == "iter_0000006"
 
     _fake_checkpoint(tmp_path, 1, complete=False)  # debris older than the newest complete one
-    deleted = checkpointing.prune_checkpoints(str(tmp_path), keep_last=2)
+    deleted = prune_checkpoints(str(tmp_path), keep_last=2)
     assert sorted(deleted) == ["iter_0000001", "iter_0000002"]
     assert sorted(os.listdir(tmp_path)) == ["iter_0000004", "iter_0000006", "iter_0000008"]
 
@@ -249,19 +251,19 @@ def test_resume_refuses_a_different_model_naming_the_fields(tmp_path):
     tag = _fake_checkpoint(tmp_path, 3, config=saved)
     same = json.loads(json.dumps(saved))
     same["model"]["init_seed"] = 5  # only matters before step 1
-    checkpointing.check_resume_compatible(str(tmp_path), tag, same)
+    check_resume_compatible(str(tmp_path), tag, same)
     other = json.loads(json.dumps(saved))
     other["model"].update(embedding="tied", hidden_size=128)
     other["training"]["tensor_model_parallel_size"] = 2
     with pytest.raises(ConfigError) as err:
-        checkpointing.check_resume_compatible(str(tmp_path), tag, other)
+        check_resume_compatible(str(tmp_path), tag, other)
     assert str(err.value) == (
         f"--load {tmp_path}: checkpoint iter_0000003 was saved with a different model config (embedding: 'lev' in "
         "the checkpoint, 'tied' now; hidden_size: 64 in the checkpoint, 128 now); resume with the checkpoint's "
         "settings or use a new --save directory")
     # Another parallel layout is not refused: it resumes through a universal checkpoint (tests/test_bf16.py).
-    assert checkpointing.layout_changes(str(tmp_path), tag, other) == ["tensor_model_parallel_size: 1 -> 2"]
-    assert checkpointing.layout_changes(str(tmp_path), tag, same) == []
+    assert layout_changes(str(tmp_path), tag, other) == ["tensor_model_parallel_size: 1 -> 2"]
+    assert layout_changes(str(tmp_path), tag, same) == []
 
 
 def test_flops_formula():

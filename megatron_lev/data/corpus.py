@@ -48,6 +48,7 @@ except ImportError:  # optional: the json module decodes the same records, slowe
 
 from megatron_lev.data import python_text
 from megatron_lev.data.python_text import DEFAULT_PYTHON_SOURCES, DOCUMENT_ORDERS, PYTHON_SOURCES, check_sources
+from megatron_lev.utils.files import atomic_path
 
 # Suffixes read as JSON lines. Megatron's own examples call loose-JSON-lines files ".json".
 INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.zst", ".json.zst", ".jsonl.gz", ".json.gz")
@@ -355,20 +356,6 @@ def read_documents(paths: str | Sequence[str], keys: Sequence[str] = ("text",), 
 
 # ---------------------------------------------------------------------------------------
 # Writing
-
-
-@contextlib.contextmanager
-def atomic_path(path: str):
-    """Yield a temporary name beside `path`; rename it to `path` only if the block succeeds."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _open_writer(raw, path: str, level: int):

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_lev.evaluation.report import parse_named, write_json_atomic, write_text_atomic
+from megatron_lev.evaluation.report import parse_named
+from megatron_lev.utils.files import write_json_atomic, write_text_atomic
 
 
 @dataclass

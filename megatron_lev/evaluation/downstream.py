@@ -34,7 +34,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from megatron_lev.evaluation.report import ComparisonTable, parse_named, write_json_atomic, write_text_atomic
+from megatron_lev.evaluation.report import ComparisonTable, parse_named
+from megatron_lev.utils.files import write_json_atomic, write_text_atomic
 
 PAPER_TASKS = ("lambada_openai", "hellaswag", "piqa", "arc_easy", "arc_challenge", "winogrande")
 # lm-eval's YAML (relative to lm_eval/tasks) and the split it scores, for the paper's tasks;

@@ -41,8 +41,8 @@ def default_cache_dir(prefix: str) -> str:
 
 def train_sequence_range(prefix: str, split: str) -> tuple[int, int]:
     """Sequences [begin, end) of `prefix` that GPTDataset puts in the train split of `split`."""
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+    from megatron.core.datasets.blended_megatron_dataset_config import (convert_split_vector_to_split_matrix,
+                                                                        parse_and_normalize_split)
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     _dataset_files(prefix)
@@ -85,7 +85,7 @@ def _count(prefix: str, vocab_size: int, chunk_tokens: int, sequences: tuple[int
     itemsize = np.dtype(dtype).itemsize
     start = int(index.sequence_pointers[begin])
     total = int(index.sequence_lengths[begin:end].sum(dtype=np.int64))
-    from megatron_lev.progress import progress_bar
+    from megatron_lev.utils.progress import progress_bar
 
     for first in progress_bar(range(0, total, chunk_tokens), f"counting tokens of {os.path.basename(prefix)}",
                               unit="chunk"):
@@ -118,7 +118,7 @@ def count_token_frequencies(prefix: str, vocab_size: int, cache_dir: str | None 
             return counts
     counts = _count(prefix, vocab_size, chunk_tokens, sequences)
     if use_cache:
-        from megatron_lev.data.corpus import atomic_path
+        from megatron_lev.utils.files import atomic_path
 
         with atomic_path(path) as tmp, open(tmp, "wb") as f:  # readers never see a half-written cache
             np.save(f, counts)

@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
-from megatron_lev.data.corpus import atomic_path  # noqa: E402
+from megatron_lev.utils.files import atomic_path  # noqa: E402
 
 DEFAULT_SIZE_PX = (1200, 800)
 DEFAULT_DPI = 100

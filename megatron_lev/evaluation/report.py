@@ -5,12 +5,9 @@ cent: -81 means the model's perplexity is 81% lower than the baseline's.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
-
-from megatron_lev.data.corpus import atomic_path
 
 
 def relative_change(value, baseline) -> float | None:
@@ -83,16 +80,6 @@ def _fmt(value) -> str:
             return f"{value:.2f}"
         return f"{value:.4f}"
     return str(value)
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """Write under a temporary name beside `path`, then rename into place."""
-    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-
-
-def write_json_atomic(path: str, data) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def parse_named(values: list[str], flag: str, allow_bare: bool = True) -> dict[str, str]:

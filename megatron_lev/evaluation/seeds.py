@@ -37,7 +37,8 @@ import re
 import numpy as np
 
 from megatron_lev.evaluation.curves import read_curve
-from megatron_lev.evaluation.report import parse_named, relative_change, write_json_atomic, write_text_atomic
+from megatron_lev.evaluation.report import parse_named, relative_change
+from megatron_lev.utils.files import write_json_atomic, write_text_atomic
 
 STRATUM_SECTIONS = {"predicted": "bucketings", "input": "input_bucketings"}  # evaluation.json frequency keys
 

@@ -46,8 +46,9 @@ from typing import Optional
 import torch
 import yaml
 
-from megatron_lev.convert import LEV_PREFIX, CheckpointError, expected_parameter_names
+from megatron_lev.convert import LEV_PREFIX, expected_parameter_names
 from megatron_lev.model import LeviathanConfig, model_config_from_dict
+from megatron_lev.utils.errors import CheckpointError
 
 HF_DIR = os.path.dirname(os.path.abspath(__file__))
 LEV_SOURCE = os.path.join(os.path.dirname(HF_DIR), "lev.py")
@@ -101,7 +102,7 @@ def materialize_lev_table(full: dict[str, torch.Tensor], cfg: LeviathanConfig, c
     lev_cfg = cfg.lev_config()
     generator = LEVGenerator(lev_cfg, dtype=full[LEV_PREFIX + "w_out"].dtype)
     generator.load_full_parameters({name: full[LEV_PREFIX + name] for name, _ in generator.named_parameters()})
-    from megatron_lev.progress import progress_bar
+    from megatron_lev.utils.progress import progress_bar
 
     ids = torch.arange(cfg.vocab_size)
     return torch.cat([generator(ids[start:start + chunk]) for start in

@@ -99,7 +99,8 @@ def _import_rank(rank: int, world: int, port: int, full_path: str, args: argpars
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
                        "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    from megatron_lev import checkpointing, parallel
+    from megatron_lev import parallel
+    from megatron_lev.checkpointing import save_checkpoint
 
     try:
         from megatron.core import parallel_state
@@ -126,7 +127,7 @@ def _import_rank(rank: int, world: int, port: int, full_path: str, args: argpars
         engine.optimizer.refresh_fp32_params()  # DeepSpeed's fp32 master weights <- the loaded ones
         config = effective_config(args, model_config.to_dict())
         config["deepspeed"] = ds_config
-        checkpointing.save_checkpoint(engine, save_dir, 0, TrainState().client_state(config), config)
+        save_checkpoint(engine, save_dir, 0, TrainState().client_state(config), config)
     except BaseException:
         with open(os.path.join(error_dir, f"rank{rank}.txt"), "w", encoding="utf-8") as f:
             f.write(traceback.format_exc())
