@@ -13,7 +13,7 @@ the bytes moved (inputs + outputs of every computing operator, i.e. nothing fuse
 Parts (shapes of configs/lev-1.2b.yaml: D = 2048, 16 heads of 128, ffn 5632, V = 50,304;
 LEV k=3, d_s=128, h=8, kappa=16, r=64):
 
-  lev/fused_loader_ids   the CUDA path: LEV's fused Triton mode kernels (lev_kernels.py) and
+  lev/fused_loader_ids   the CUDA path: LEV's fused Triton mode kernels (lev/kernels.py) and
                          the distinct ids shipped by the data loader. Traced on CPU: the
                          fused kernels' CPU implementation is replaced by a stand-in that
                          returns zeros (the counts and syncs do not depend on the values; a
@@ -47,8 +47,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_train
 
-from megatron_lev import lev  # noqa: E402
-from megatron_lev.lev_parallel import ParallelLEVEmbedding  # noqa: E402
+from megatron_lev.lev import generator as lev  # noqa: E402
+from megatron_lev.lev.parallel import ParallelLEVEmbedding  # noqa: E402
 from megatron_lev.utils.profiling import KernelCounter  # noqa: E402
 
 LEV_1_2B = dict(vocab_size=50_304, hidden_size=2048)
@@ -63,7 +63,7 @@ def zipf_ids(vocab_size: int, shape, seed: int = 0) -> torch.Tensor:
 
 def use_fused_stand_in() -> None:
     """Route CPU tensors through the fused path, with a CPU stand-in for the kernels."""
-    from megatron_lev import lev_kernels
+    from megatron_lev.lev import kernels as lev_kernels
 
     lev.FUSED_MODES_DEVICES = ("cuda", "cpu")
     lev_kernels.available = lambda device: True

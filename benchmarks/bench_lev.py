@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lev.lev import LEVConfig  # noqa: E402
-from megatron_lev.lev_parallel import ParallelLEVEmbedding  # noqa: E402
+from megatron_lev.lev.generator import LEVConfig  # noqa: E402
+from megatron_lev.lev.parallel import ParallelLEVEmbedding  # noqa: E402
 
 METHODS = ("embedding", "lev_unique", "lev_position")
 DISTRIBUTIONS = ("zipf", "uniform")

@@ -129,7 +129,7 @@ def dataset_batches(prefix: str, vocab_size: int, micro_batch_size: int, seq_len
 def as_inputs(window: torch.Tensor, device, vocab_size: int) -> dict:
     """[b, s + 1] ids -> the trainer's micro-batch (tokens, labels, loss_mask, position_ids, and
     LEV's distinct ids as the trainer's data loader computes them on CPU)."""
-    from megatron_lev.lev import ids_to_evaluate
+    from megatron_lev.lev.generator import ids_to_evaluate
 
     tokens, labels = window[:, :-1].contiguous(), window[:, 1:]
     b, s = tokens.shape

@@ -124,8 +124,8 @@ def lev_sequence_parallel_check(section: dict, ids: torch.Tensor) -> dict:
     from megatron.core import parallel_state
 
     from megatron_lev import parallel
-    from megatron_lev.lev import LEVConfig
-    from megatron_lev.lev_parallel import ParallelLEVEmbedding
+    from megatron_lev.lev.generator import LEVConfig
+    from megatron_lev.lev.parallel import ParallelLEVEmbedding
     from megatron_lev.model import gather_tensor_parallel
 
     lev = LEVConfig.from_dict({**section.get("lev", {}), "vocab_size": section["vocab_size"],

@@ -1,7 +1,7 @@
 """megatron_lev: pre-training stack for Leviathan language models.
 
 Where things are:
-  lev.py        the LEV embedding generator (all of its math, one file)
+  lev/          the LEV embedding generator: its math (generator.py), Triton kernels, TP module
   parallel.py   torch.distributed start-up, megatron-core groups, RNG, DeepSpeed mpu
   configs/      packaged YAML configs (model + training defaults)
 """

@@ -38,12 +38,12 @@ import torch
 
 from megatron_lev.checkpointing import (COMPLETE_MARKER, CONFIG_FILE, checkpoint_tag, complete_checkpoints, find_latest,
                                         is_complete, read_checkpoint_config, tag_iteration)
-from megatron_lev.lev import HEAD_SHARDED_PARAMETERS, REPLICATED_PARAMETERS
+from megatron_lev.lev.generator import HEAD_SHARDED_PARAMETERS, REPLICATED_PARAMETERS
 from megatron_lev.model import LeviathanConfig, merge_tensor_parallel_shards, model_config_from_dict, pad_vocab_size
 from megatron_lev.safe_load import safe_torch_load
 from megatron_lev.utils.errors import CheckpointError
 
-# Where model.py's LEV embedding (lev_parallel.ParallelLEVEmbedding) keeps the generator's parameters.
+# Where model.py's LEV embedding (lev.parallel.ParallelLEVEmbedding) keeps the generator's parameters.
 LEV_PREFIX = "embedding.generator."
 
 

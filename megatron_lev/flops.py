@@ -13,7 +13,7 @@ forward + backward = 3 x forward, and nothing that recomputation repeats:
           PaLM (no causal halving), s = sequence length;
     LEV generator, per DISTINCT token id of each micro-batch (it evaluates each once):
         3 * h * (2 * d_s * d_s + 2 * d_s * kappa * r + 2 * r * D)
-          seed projection, the mode factors phi = basis @ S (lev.py evaluates the
+          seed projection, the mode factors phi = basis @ S (lev/generator.py evaluates the
           basis densely over the kappa knots), and the aggregation to D; elementwise
           work (LayerNorm, spline weights, the log-sum product) is not counted.
 

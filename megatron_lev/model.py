@@ -6,7 +6,7 @@ Each DecoderLayer is pre-RMSNorm, RoPE self-attention (grouped-query optional) t
 `F.scaled_dot_product_attention(is_causal=True)` and a SwiGLU MLP; no biases anywhere.
 The input side is chosen by `embedding` (LEV_SPEC.md section 4):
 
-    lev      LEV generator (lev_parallel.ParallelLEVEmbedding)   + untied head   (Leviathan, v2)
+    lev      LEV generator (lev.parallel.ParallelLEVEmbedding)   + untied head   (Leviathan, v2)
     tied     vocab-parallel table                                 = the head      (v2 baseline)
     untied   vocab-parallel table                                 + untied head   (v1 baseline)
 
@@ -34,7 +34,7 @@ Shapes are global; "TP split" says how each rank's shard is cut from the global 
 | embedding.weight (tied, untied)        | [Vp, H]                   | dim 0, contiguous (vocab)     |
 | embedding.generator.codebooks (lev)    | [k, b, d_s]               | replicated                    |
 | embedding.generator.{w_seed, ln_gamma, | [h_lev, ...]              | dim 0 (LEV head), contiguous  |
-|   ln_beta, delta, w_out} (lev)         |   (shapes: lev.py)        |                               |
+|   ln_beta, delta, w_out} (lev)         |   (shapes: lev/generator.py)|                               |
 | layers.{i}.input_norm.weight           | [H]                       | replicated                    |
 | layers.{i}.attention.qkv.weight        | [(nh + 2 ng) dh, H]       | dim 0, contiguous (see below) |
 | layers.{i}.attention.out_proj.weight   | [H, nh dh]                | dim 1, contiguous             |
@@ -69,17 +69,13 @@ import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_lev import parallel
-from megatron_lev.lev import LEVConfig
-from megatron_lev.lev_parallel import ParallelLEVEmbedding
+from megatron_lev.lev.generator import LEVConfig
+from megatron_lev.lev.parallel import ParallelLEVEmbedding
 
 try:  # apex's fused RMSNorm kernel, used on CUDA when apex is installed
     from apex.normalization.fused_layer_norm import fused_rms_norm_affine

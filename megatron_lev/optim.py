@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-# LEVGenerator parameter names (lev.py) that are exempt from weight decay.
+# LEVGenerator parameter names (lev/generator.py) that are exempt from weight decay.
 LEV_NO_DECAY_NAMES = ("codebooks", "ln_gamma", "ln_beta")
 
 

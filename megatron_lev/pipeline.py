@@ -43,19 +43,9 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from megatron_lev import parallel
-from megatron_lev.lev_parallel import ParallelLEVEmbedding
-from megatron_lev.model import (
-    DecoderLayer,
-    LeviathanConfig,
-    OutputLayer,
-    RMSNorm,
-    VocabEmbedding,
-    checkpoint,
-    default_position_ids,
-    language_model_loss,
-    lev_embedding_kwargs,
-    rotary_cos_sin,
-)
+from megatron_lev.lev.parallel import ParallelLEVEmbedding
+from megatron_lev.model import (DecoderLayer, LeviathanConfig, OutputLayer, RMSNorm, VocabEmbedding, checkpoint,
+                                default_position_ids, language_model_loss, lev_embedding_kwargs, rotary_cos_sin)
 
 TIED_KEY = "embedding"
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from megatron_lev.lev import LEVConfig, LEVGenerator, bspline_basis, token_digits
-from megatron_lev.lev_parallel import ParallelLEVEmbedding
+from megatron_lev.lev.generator import LEVConfig, LEVGenerator, bspline_basis, token_digits
+from megatron_lev.lev.parallel import ParallelLEVEmbedding
 from tests.distributed import run_distributed
 
 PARAM_NAMES = ("codebooks", "w_seed", "ln_gamma", "ln_beta", "delta", "w_out")
@@ -261,7 +261,7 @@ def _modes_and_gradients(lev_module, x, delta):
 
 
 def test_cpu_mode_product_compiled_equals_eager_and_falls_back_to_eager(monkeypatch):
-    from megatron_lev import lev
+    from megatron_lev.lev import generator as lev
 
     g = torch.Generator().manual_seed(5)
     x = torch.rand(70, 3, 16, generator=g)

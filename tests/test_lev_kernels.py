@@ -1,5 +1,5 @@
-"""LEV's fused Triton kernels (lev_kernels.py, the CUDA path) run on CPU under Triton's
-interpreter and checked against lev.py's PyTorch path; the loader-ids step has no host
+"""LEV's fused Triton kernels (lev/kernels.py, the CUDA path) run on CPU under Triton's
+interpreter and checked against lev/generator.py's PyTorch path; the loader-ids step has no host
 sync and launches at most 40 kernels forward + backward."""
 import os
 
@@ -9,9 +9,10 @@ import torch
 # conftest.py sets it before anything imports triton; this covers running the file alone.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from megatron_lev import lev, lev_kernels  # noqa: E402
 from megatron_lev.data.datasets import collate_pretraining_batch  # noqa: E402
-from megatron_lev.lev_parallel import ParallelLEVEmbedding  # noqa: E402
+from megatron_lev.lev import generator as lev  # noqa: E402
+from megatron_lev.lev import kernels as lev_kernels
+from megatron_lev.lev.parallel import ParallelLEVEmbedding  # noqa: E402
 from megatron_lev.utils.profiling import KernelCounter  # noqa: E402
 
 # Not powers of two (r, kappa), rows not a multiple of the kernels' block: masks exercised.

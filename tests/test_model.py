@@ -231,7 +231,7 @@ def test_papers_vocabulary_family_overhead_and_isoparametric_depths():
     """The family at the papers' 200,064-entry vocabulary: LEV digits are base 59 x 3, LEV costs
     0.15-0.7% over tied (the papers: ~0.2%), and lev-X-200k-iso is exactly the planner's
     isoparametric LEV for untied-X-200k (within 1%), saving the table's V x D over untied."""
-    from megatron_lev.lev import smallest_base
+    from megatron_lev.lev.generator import smallest_base
     from megatron_lev.model import count_parameters
     from megatron_lev.param_count import compare_embeddings, plan_isoparametric
 

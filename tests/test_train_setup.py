@@ -96,7 +96,7 @@ def test_deepspeed_config_filled_from_flags_and_checked(tmp_path):
 
 
 def test_weight_decay_groups_exclude_norms_biases_and_lev_codebooks_layernorm():
-    from megatron_lev.lev import LEVConfig, LEVGenerator
+    from megatron_lev.lev.generator import LEVConfig, LEVGenerator
 
     model = torch.nn.Module()
     model.embedding = LEVGenerator(LEVConfig(vocab_size=100, hidden_size=8, seed_dim=4, num_heads=2, num_knots=4,

@@ -25,8 +25,8 @@ exactly that sample.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import functools
+import hashlib
 import json
 import os
 from typing import Callable, Sequence
@@ -300,12 +300,12 @@ def collate_pretraining_batch(samples: list[dict], lev_vocab_size: int | None = 
     With `lev_vocab_size` (LEV models) also `lev_ids` [n], the distinct token ids sorted,
     and `lev_inverse` [micro, seq] with tokens == lev_ids[lev_inverse], range-checked
     here on CPU so the training step needs no `unique` and no host synchronisation
-    (lev_parallel.ParallelLEVEmbedding). n = lev_ids.numel() is the distinct-id count.
+    (lev.parallel.ParallelLEVEmbedding). n = lev_ids.numel() is the distinct-id count.
     """
     keys = BATCH_KEYS + (("attention_mask",) if "attention_mask" in samples[0] else ())
     batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in keys}
     if lev_vocab_size is not None:
-        from megatron_lev.lev import ids_to_evaluate
+        from megatron_lev.lev.generator import ids_to_evaluate
 
         try:
             batch["lev_ids"], batch["lev_inverse"] = ids_to_evaluate(batch["tokens"], lev_vocab_size, unique=True)

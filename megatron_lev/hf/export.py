@@ -51,7 +51,7 @@ from megatron_lev.model import LeviathanConfig, model_config_from_dict
 from megatron_lev.utils.errors import CheckpointError
 
 HF_DIR = os.path.dirname(os.path.abspath(__file__))
-LEV_SOURCE = os.path.join(os.path.dirname(HF_DIR), "lev.py")
+LEV_SOURCE = os.path.join(os.path.dirname(HF_DIR), "lev", "generator.py")  # exported as lev.py
 REMOTE_CODE_FILES = {  # file written into the export -> its source in this package
     "configuration_lev.py": os.path.join(HF_DIR, "configuration_lev.py"),
     "modeling_lev.py": os.path.join(HF_DIR, "modeling_lev.py"),
@@ -97,7 +97,7 @@ def _qkv_join(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: LeviathanC
 def materialize_lev_table(full: dict[str, torch.Tensor], cfg: LeviathanConfig, chunk: int = 4096) -> torch.Tensor:
     """The LEV generator evaluated on every id: the [vocab_size, hidden] float32 table that
     makes a LEV model a plain LLaMA. Row i equals the model's embedding of id i exactly."""
-    from megatron_lev.lev import LEVGenerator
+    from megatron_lev.lev.generator import LEVGenerator
 
     lev_cfg = cfg.lev_config()
     generator = LEVGenerator(lev_cfg, dtype=full[LEV_PREFIX + "w_out"].dtype)

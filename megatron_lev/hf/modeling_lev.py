@@ -1,7 +1,7 @@
 """Hugging Face model of a Leviathan language model: LLaMA with the LEV embedding generator.
 
 This file is copied into every exported `embedding: lev` model folder, beside
-`configuration_lev.py` and `lev.py` (a verbatim copy of `megatron_lev/lev.py`, the
+`configuration_lev.py` and `lev.py` (a verbatim copy of `megatron_lev/lev/generator.py`, the
 generator's math in plain PyTorch), and registered through `auto_map`:
 
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
@@ -16,21 +16,15 @@ w_out; all heads). The output head `lm_head` is untied, as in Leviathan.
 """
 import torch
 from torch import nn
-from transformers.models.llama.modeling_llama import (
-    LlamaDecoderLayer,
-    LlamaForCausalLM,
-    LlamaModel,
-    LlamaPreTrainedModel,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-)
+from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaForCausalLM, LlamaModel,
+                                                      LlamaPreTrainedModel, LlamaRMSNorm, LlamaRotaryEmbedding)
 
 from .configuration_lev import LevConfig
 
 try:  # an exported folder: lev.py sits beside this file
     from .lev import LEVConfig, LEVGenerator
-except ImportError:  # imported from the megatron_lev package (megatron_lev/hf/), whose lev.py is one level up
-    from megatron_lev.lev import LEVConfig, LEVGenerator
+except ImportError:  # imported from the megatron_lev package (megatron_lev/hf/): megatron_lev/lev/generator.py
+    from megatron_lev.lev.generator import LEVConfig, LEVGenerator
 
 
 class LevEmbedding(nn.Module):

@@ -1,8 +1,8 @@
-"""Fused Triton kernels for LEV's mode product (lev.py step 5), used on CUDA.
+"""Fused Triton kernels for LEV's mode product (generator.py step 5), used on CUDA.
 
     modes = separable_modes(x, delta, eps)   # x [n, h, d_s] in [0, 1], delta [h, d_s, kappa, r]
 
-Two kernels replace lev.py's per-head loop of basis, dense `bmm`, sign parity and log-sum
+Two kernels replace generator.py's per-head loop of basis, dense `bmm`, sign parity and log-sum
 (about 90 launched kernels per head, forward and backward):
 
   forward   one program per (block of rows, head): for each seed coordinate it gathers
@@ -17,11 +17,11 @@ Two kernels replace lev.py's per-head loop of basis, dense `bmm`, sign parity an
 
 Everything is float32 (`tl.dot` in "ieee" precision: no TF32). Each output row depends on
 its own id only, so evaluating distinct ids or every position gives the same rows bit
-for bit within this path; it is not bit-identical to lev.py's CPU path (which sums the
-16-knot dense basis through BLAS): the two agree to float32 rounding (tests/test_lev_kernels.py).
+for bit within this path; it is not bit-identical to generator.py's CPU path (which sums the
+16-knot dense basis through BLAS): the two agree to float32 rounding (tests/test_lev/kernels.py).
 
-This module imports Triton; lev.py imports it only on first use and only when Triton is
-installed (lev.py itself stays torch-only for the HF export). On CPU tensors the kernels
+This module imports Triton; generator.py imports it only on first use and only when Triton is
+installed (generator.py itself stays torch-only for the HF export). On CPU tensors the kernels
 run under Triton's interpreter when TRITON_INTERPRET=1 is set before their first launch,
 which is how CI tests them.
 """

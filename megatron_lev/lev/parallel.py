@@ -16,7 +16,7 @@ the distinct ids' rows before the gather; with more than 2 TP ranks the
 collective's summation order may then differ from a per-position reduction in
 the last bit.
 
-The math is in `lev.py`; this file only wires it to megatron-core.
+The math is in `generator.py`; this file only wires it to megatron-core.
 """
 from __future__ import annotations
 
@@ -24,19 +24,16 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
-)
+from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    reduce_from_tensor_model_parallel_region,
+                                                    reduce_scatter_to_sequence_parallel_region)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from megatron_lev.lev import HEAD_SHARDED_PARAMETERS, LEVConfig, LEVGenerator, ids_to_evaluate
+from megatron_lev.lev.generator import HEAD_SHARDED_PARAMETERS, LEVConfig, LEVGenerator, ids_to_evaluate
 
 
 def tensor_parallel_rank_and_size() -> tuple[int, int]:
@@ -51,7 +48,7 @@ class ParallelLEVEmbedding(MegatronModule):
 
     forward(input_ids: LongTensor [b, s]) -> Tensor [s, b, D] in `params_dtype`
     ([s/tp, b, D] when `sequence_parallel`). Parameters live in `self.generator`
-    (names documented in lev.py) and are stored in `params_dtype`; the generator
+    (names documented in generator.py) and are stored in `params_dtype`; the generator
     computes in float32 whatever that dtype is.
 
     `transformer_config` is only what MegatronModule keeps as `self.config` (fp8

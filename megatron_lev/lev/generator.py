@@ -14,8 +14,8 @@ LEV_SPEC.md section 1):
 6. output   `e = sum_l M_l @ w_out[l]`                                         [D]
 
 This file is torch-only on purpose: the Hugging Face export copies it verbatim
-beside `modeling_lev.py`. Tensor parallelism lives in `lev_parallel.py`. On CUDA, step 5
-(and its backward) runs as two fused Triton kernels from `lev_kernels.py` when Triton is
+beside `modeling_lev.py`. Tensor parallelism lives in `lev/parallel.py`. On CUDA, step 5
+(and its backward) runs as two fused Triton kernels from `lev/kernels.py` when Triton is
 installed (`FUSED_MODES_DEVICES`); this file's `_SeparableModes` is the reference and the
 CPU path, where its per-head reduction (`mode_product`) runs compiled by torch.compile.
 
@@ -243,7 +243,7 @@ def _compiled_cpu_mode_product(phi: torch.Tensor, eps: float):
 class _SeparableModes(torch.autograd.Function):
     """M[n, l, q] = prod_d phi[n, l, d, q],  phi = sum_j B_j(x[n, l, d]) * S[l, d, j, q].
 
-    The CPU path (and the reference for lev_kernels.py). The basis of every head is built
+    The CPU path (and the reference for lev/kernels.py). The basis of every head is built
     in one pass of ops; the [d_s, n, r] mode factors phi are formed one head at a time (a
     batched matmul with the dense basis) and reduced by `mode_product`, which also returns
     the derivative factor dM/dphi[d] / M = sign(phi[d]) / (|phi[d]| + eps) of the
@@ -296,7 +296,7 @@ class _SeparableModes(torch.autograd.Function):
         return grad_x, grad_coeffs, None
 
 
-# Devices whose tensors take the fused kernels of lev_kernels.py (when Triton imports):
+# Devices whose tensors take the fused kernels of lev/kernels.py (when Triton imports):
 # on CUDA they replace the per-head loop with one forward and one backward kernel. The
 # CPU keeps the dense-basis `bmm` path: it measured faster there than the 3-knot gather
 # form, and it is the one whose unique-vs-per-position bit-exactness is verified.
@@ -305,13 +305,13 @@ FUSED_MODES_DEVICES = ("cuda",)
 
 @functools.lru_cache(maxsize=None)
 def _fused_kernels():
-    """megatron_lev.lev_kernels, or None without Triton (or outside the package, as in an
-    HF export, where this file is copied alone)."""
+    """megatron_lev.lev.kernels, or None without Triton (or outside the package, as in an
+    HF export, where this file is copied alone as lev.py)."""
     try:
-        from megatron_lev import lev_kernels
+        from megatron_lev.lev import kernels
     except ImportError:
         return None
-    return lev_kernels
+    return kernels
 
 
 def uses_fused_modes(device: torch.device) -> bool:

@@ -1,0 +1,6 @@
+"""LEV (learned embedding vectorization): the input-embedding generator of Leviathan models.
+
+  generator.py   all of its math, torch only (copied verbatim into Hugging Face exports as lev.py)
+  kernels.py     fused Triton kernels of the mode product and its backward (CUDA)
+  parallel.py    ParallelLEVEmbedding: the generator as a tensor-parallel megatron-core module
+"""
