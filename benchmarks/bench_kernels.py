@@ -105,16 +105,17 @@ def lev_part(tokens: int, seq: int) -> dict:
 
 
 def decoder_part(tokens: int, seq: int, compiled: bool) -> dict:
-    from megatron_lev import parallel
     from megatron_lev.configs import load_config  # noqa: F401  (packaged YAMLs)
+    from megatron_lev.distributed.launch import init_distributed
+    from megatron_lev.distributed.state import initialize_model_parallel
     from megatron_lev.model import DecoderLayer, model_config_from_dict, rotary_cos_sin
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    parallel.init_distributed(backend="gloo")
-    parallel.initialize_model_parallel(1, 1)
+    init_distributed(backend="gloo")
+    initialize_model_parallel(1, 1)
     section = load_config("lev-1.2b")["model"]
     config = model_config_from_dict(section)
     layer = DecoderLayer(config, 0)

@@ -386,11 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def start_process_group(device: torch.device) -> None:
     """A one-rank process group and megatron-core's TP=PP=1 groups (DeepSpeed needs both)."""
-    from megatron_lev import parallel
+    from megatron_lev.distributed.launch import init_distributed
+    from megatron_lev.distributed.rng import set_seed
+    from megatron_lev.distributed.state import initialize_model_parallel
 
-    parallel.init_distributed(backend="nccl" if device.type == "cuda" else "gloo")
-    parallel.initialize_model_parallel(1, 1)
-    parallel.set_seed(1234)
+    init_distributed(backend="nccl" if device.type == "cuda" else "gloo")
+    initialize_model_parallel(1, 1)
+    set_seed(1234)
 
 
 def main(argv=None) -> dict:

@@ -71,8 +71,9 @@ def relative_max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def tensor_parallel_check(config: str, layers: int, batch: int, seq: int, device) -> dict:
     """TP=2 vs TP=1 logits/loss/gradients of the decoder, and LEV's SP branch (see the docstring)."""
-    from megatron_lev import parallel
     from megatron_lev.configs import load_config
+    from megatron_lev.distributed.rng import set_seed
+    from megatron_lev.distributed.state import initialize_model_parallel
     from megatron_lev.model import build_model, gather_logits, gather_tensor_parallel, model_config_from_dict
 
     section = dict(load_config(config)["model"], num_layers=layers)
@@ -85,8 +86,8 @@ def tensor_parallel_check(config: str, layers: int, batch: int, seq: int, device
         dtype = "bfloat16" if bf16 else "float32"
         outputs = {}
         for tp in (1, 2):  # TP=1 first: every rank computes it, as data-parallel replicas
-            parallel.initialize_model_parallel(tensor_model_parallel_size=tp)
-            parallel.set_seed(1234)
+            initialize_model_parallel(tensor_model_parallel_size=tp)
+            set_seed(1234)
             model = build_model(model_config_from_dict(section, tensor_model_parallel_size=tp, bf16=bf16)).to(device)
             logits = gather_logits(model(ids), section["vocab_size"]).detach()
             loss = model(ids, labels=labels, loss_mask=loss_mask)
@@ -113,7 +114,7 @@ def tensor_parallel_check(config: str, layers: int, batch: int, seq: int, device
                                        {"skipped": "the sequence-parallel reduce-scatter needs CUDA (gloo has "
                                                    "no reduce-scatter)"})
     report["ok"] = all(r["ok"] for r in report["dtypes"].values()) and report["lev_sequence_parallel"].get("ok", True)
-    parallel.initialize_model_parallel(1, 1)
+    initialize_model_parallel(1, 1)
     return report
 
 
@@ -123,7 +124,7 @@ def lev_sequence_parallel_check(section: dict, ids: torch.Tensor) -> dict:
     for the same upstream gradient."""
     from megatron.core import parallel_state
 
-    from megatron_lev import parallel
+    from megatron_lev.distributed.state import initialize_model_parallel
     from megatron_lev.lev.generator import LEVConfig
     from megatron_lev.lev.parallel import ParallelLEVEmbedding
     from megatron_lev.model import gather_tensor_parallel
@@ -134,7 +135,7 @@ def lev_sequence_parallel_check(section: dict, ids: torch.Tensor) -> dict:
     upstream = torch.randn(seq, ids.shape[0], lev.hidden_size, generator=torch.Generator().manual_seed(3)).to(ids.device)
     outputs = {}
     for tp, sp in ((1, False), (2, True)):
-        parallel.initialize_model_parallel(tensor_model_parallel_size=tp)
+        initialize_model_parallel(tensor_model_parallel_size=tp)
         module = ParallelLEVEmbedding(lev, sequence_parallel=sp, init_seed=1234, device=ids.device)
         out = module(ids)  # [s / tp, b, D] with SP
         rank = parallel_state.get_tensor_model_parallel_rank()
@@ -359,7 +360,9 @@ def main(argv=None) -> dict:
         raise SystemExit("gpu_check_multi.py: error: torch sees no GPU; --device cpu --tiny runs the logic on the CPU")
     if args.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported
-    from megatron_lev import parallel
+    from megatron_lev.distributed.launch import init_distributed
+    from megatron_lev.distributed.rng import set_seed
+    from megatron_lev.distributed.state import destroy_parallel, initialize_model_parallel
 
     if args.stage == "reference":
         if not args.dp_size or args.dp_size < 2:
@@ -368,7 +371,7 @@ def main(argv=None) -> dict:
             device = torch.device(args.device)
             bench_train.start_process_group(device)
             result = run_dp_engine(args.tiny, args.dp_size, 1, 0, device)
-            parallel.destroy_parallel()
+            destroy_parallel()
         from megatron_lev.utils.files import atomic_path
 
         with atomic_path(args.reference) as tmp, open(tmp, "w", encoding="utf-8") as f:
@@ -377,7 +380,7 @@ def main(argv=None) -> dict:
 
     with open(args.reference, encoding="utf-8") as f:
         reference = json.load(f)
-    launch = parallel.init_distributed()  # torchrun's environment; nccl on GPUs
+    launch = init_distributed()  # torchrun's environment; nccl on GPUs
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     world, rank = dist.get_world_size(), dist.get_rank()
     if world < 2 or world % 2:
@@ -396,8 +399,8 @@ def main(argv=None) -> dict:
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON only (DeepSpeed prints)
             for name, run in stages:
-                parallel.initialize_model_parallel(1, 1)
-                parallel.set_seed(1234)
+                initialize_model_parallel(1, 1)
+                set_seed(1234)
                 report[name] = run()
                 report["stages_done"].append(name)
                 if rank == 0:
@@ -408,7 +411,7 @@ def main(argv=None) -> dict:
     report["wall_s"] = time.time() - started
     if rank == 0:
         bench_train.print_json(report, args.output)
-    parallel.destroy_parallel()
+    destroy_parallel()
     return report
 
 

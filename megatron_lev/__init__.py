@@ -2,7 +2,7 @@
 
 Where things are:
   lev/          the LEV embedding generator: its math (generator.py), Triton kernels, TP module
-  parallel.py   torch.distributed start-up, megatron-core groups, RNG, DeepSpeed mpu
+  distributed/  torch.distributed start-up, megatron-core groups, RNG streams, DeepSpeed mpu
   configs/      packaged YAML configs (model + training defaults)
 """
 import warnings as _warnings

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from megatron_lev import parallel
+from megatron_lev.distributed.launch import default_device
+from megatron_lev.distributed.rng import load_rng_state_dict, rng_state_dict
 from megatron_lev.safe_load import (CheckpointLoadError, UnsafeCheckpointError, check_checkpoint_files, safe_torch_load,
                                     use_safe_checkpoint_engine)
 from megatron_lev.utils.errors import ConfigError
@@ -390,7 +391,7 @@ def write_run_config(save_dir: str, config: dict) -> None:
     """DIR/config.yaml: the effective configuration of the current run (rank 0)."""
     os.makedirs(save_dir, exist_ok=True)
     write_text_atomic(os.path.join(save_dir, "config.yaml"),
-                       yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=100), durable=True)
+                      yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=100), durable=True)
 
 
 def _barrier():
@@ -415,7 +416,7 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, c
     with _fsync_engine_saves(engine):
         engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
     os.makedirs(os.path.join(tag_dir, "rng"), exist_ok=True)
-    _atomic_torch_save(parallel.rng_state_dict(), os.path.join(tag_dir, "rng", f"rank_{rank:05d}.pt"))
+    _atomic_torch_save(rng_state_dict(), os.path.join(tag_dir, "rng", f"rank_{rank:05d}.pt"))
     if rank == 0:
         write_text_atomic(os.path.join(tag_dir, CONFIG_FILE), json.dumps(config, indent=1, default=str), durable=True)
     _barrier()  # every rank's files are written and fsynced
@@ -427,9 +428,9 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, c
         for root, _, _ in os.walk(tag_dir):
             fsync_dir(root)
         # The marker lists every file with its size: a later truncation is found before loading.
-        write_text_atomic(os.path.join(tag_dir, COMPLETE_MARKER),
-                           json.dumps({"iteration": iteration, "world_size": world,
-                                       "consumed_samples": client_state.get("consumed_samples"), "files": sizes}), durable=True)
+        marker = {"iteration": iteration, "world_size": world, "consumed_samples": client_state.get("consumed_samples"),
+                  "files": sizes}
+        write_text_atomic(os.path.join(tag_dir, COMPLETE_MARKER), json.dumps(marker), durable=True)
         write_text_atomic(os.path.join(save_dir, LATEST), tag, durable=True)
         if keep_last:
             prune_checkpoints(save_dir, keep_last)
@@ -476,7 +477,7 @@ def load_checkpoint(engine, load_dir: str, tag: str, *, load_optimizer: bool = T
                 convert_to_universal(load_dir, tag, **universal)
             except (ConfigError, OSError) as exc:
                 error = exc
-        failed = torch.tensor([float(error is not None)], device=parallel.default_device())
+        failed = torch.tensor([float(error is not None)], device=default_device())
         if dist.is_initialized():
             dist.all_reduce(failed)
         if error is not None:
@@ -495,7 +496,7 @@ def load_checkpoint(engine, load_dir: str, tag: str, *, load_optimizer: bool = T
     rng_path = os.path.join(load_dir, tag, "rng", f"rank_{rank:05d}.pt")
     if load_optimizer:
         if os.path.isfile(rng_path):
-            parallel.load_rng_state_dict(safe_torch_load(rng_path))
+            load_rng_state_dict(safe_torch_load(rng_path))
         else:
             warnings.warn(f"{rng_path} is missing (saved by a job of another size?): RNG streams start from "
                           f"--seed, so the run will not continue bit-identically")

@@ -73,11 +73,12 @@ def _start_single_process():
     """One gloo rank with TP = PP = 1 (the model's layers need megatron-core's groups)."""
     import torch.distributed as dist
 
-    from megatron_lev import parallel
+    from megatron_lev.distributed.launch import init_distributed
+    from megatron_lev.distributed.state import initialize_model_parallel
 
     started = not dist.is_initialized()
-    parallel.init_distributed(backend="gloo")
-    parallel.initialize_model_parallel(1, 1)
+    init_distributed(backend="gloo")
+    initialize_model_parallel(1, 1)
     return started
 
 
@@ -454,7 +455,7 @@ def main(argv=None) -> int:
         print(markdown)
         return 0
 
-    from megatron_lev import parallel
+    from megatron_lev.distributed.state import destroy_parallel
     from megatron_lev.evaluation.report import parse_named
     from megatron_lev.utils.files import write_json_atomic
 
@@ -471,7 +472,7 @@ def main(argv=None) -> int:
                                   trust_remote_code=args.trust_remote_code)
         finally:
             if started:
-                parallel.destroy_parallel()
+                destroy_parallel()
     except (ValueError, FileNotFoundError) as exc:
         print(f"megatron_lev.demo {args.command}: error: {exc}", file=sys.stderr)
         return 2

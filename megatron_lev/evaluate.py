@@ -397,7 +397,8 @@ def main(argv=None) -> dict:
 
 
 def run(args) -> dict:
-    from megatron_lev import parallel
+    from megatron_lev.distributed.launch import default_device, detect_launch_env, init_distributed
+    from megatron_lev.distributed.state import destroy_parallel, initialize_model_parallel
 
     if args.eval_tokens is not None and args.eval_tokens < 1:
         raise ValueError(f"--eval-tokens {args.eval_tokens}: must be positive")
@@ -411,7 +412,7 @@ def run(args) -> dict:
     for spec in args.buckets:  # a bad spec fails now, not after the models are loaded
         bk.build_bucketing(spec, np.ones(2, dtype=np.int64))
 
-    launch = parallel.detect_launch_env()
+    launch = detect_launch_env()
     if launch.world_size > 1:
         raise ValueError(f"run megatron_lev.evaluate as one process (world size {launch.world_size}): "
                          "checkpoints of any TP/PP are merged and evaluated on one device")
@@ -419,10 +420,10 @@ def run(args) -> dict:
     # init_distributed exports the rendezvous variables; a run started here (also in-process
     # from tests or notebooks) takes them away again when it ends.
     saved_env = {k: os.environ.get(k) for k in _RENDEZVOUS_ENV}
-    parallel.init_distributed()
+    init_distributed()
     try:
-        parallel.initialize_model_parallel(1, 1)
-        device = torch.device(args.device) if args.device else parallel.default_device()
+        initialize_model_parallel(1, 1)
+        device = torch.device(args.device) if args.device else default_device()
         models = [load_model(name, path, device, args.bf16, args.trust_remote_code) for name, path in named.items()]
         vocab = {m.name: m.vocab_size for m in models}
         if len(set(vocab.values())) > 1:
@@ -441,7 +442,7 @@ def run(args) -> dict:
                                         args.output_dir, (args.plot_width, args.plot_height))
     finally:
         if started:
-            parallel.destroy_parallel()
+            destroy_parallel()
             for key, value in saved_env.items():
                 if value is None:
                     os.environ.pop(key, None)

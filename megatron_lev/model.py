@@ -73,7 +73,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_lev import parallel
+from megatron_lev.distributed.rng import get_rng_tracker
 from megatron_lev.lev.generator import LEVConfig
 from megatron_lev.lev.parallel import ParallelLEVEmbedding
 
@@ -291,7 +291,7 @@ def checkpoint(function: Callable, *args):
     model-parallel RNG tracker so dropout in TP regions draws the same masks on recompute."""
     if args[0].is_cuda:
         return tensor_parallel.checkpoint(function, False, *args)
-    tracker = parallel.get_rng_tracker()
+    tracker = get_rng_tracker()
     forward_states = tracker.get_states()
     calls = []
 
@@ -447,7 +447,7 @@ class SelfAttention(torch.nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, dh]
         p = self.config.attention_dropout if self.training else 0.0
         # Dropout draws from the model-parallel stream: each TP rank holds different heads.
-        rng = parallel.get_rng_tracker().fork() if p > 0 else contextlib.nullcontext()
+        rng = get_rng_tracker().fork() if p > 0 else contextlib.nullcontext()
         with rng:
             # GQA inside the kernel (query head i uses kv head i // heads_per_group, our
             # grouping): no repeat_interleave copies of k and v.
@@ -659,7 +659,7 @@ class LeviathanModel(MegatronModule):
         if tp != config.tensor_model_parallel_size:
             raise ValueError(f"config is for --tensor-model-parallel-size {config.tensor_model_parallel_size} "
                              f"but megatron-core's TP group has {tp} ranks "
-                             "(call megatron_lev.parallel.initialize_model_parallel first)")
+                             "(call megatron_lev.distributed.state.initialize_model_parallel first)")
         self.embedding = build_embedding(config)
         self.layers = torch.nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.final_norm = RMSNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype)

@@ -42,7 +42,7 @@ import deepspeed
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-from megatron_lev import parallel
+from megatron_lev.distributed.state import pipe_topology
 from megatron_lev.lev.parallel import ParallelLEVEmbedding
 from megatron_lev.model import (DecoderLayer, LeviathanConfig, OutputLayer, RMSNorm, VocabEmbedding, checkpoint,
                                 default_position_ids, language_model_loss, lev_embedding_kwargs, rotary_cos_sin)
@@ -155,8 +155,8 @@ def build_pipeline_model(config: LeviathanConfig, activation_checkpoint_interval
         raise ValueError("recompute_method 'block' is not available in the pipeline form; use 'uniform'")
     # DeepSpeed's comm layer must wrap the already started torch.distributed (idempotent).
     deepspeed.comm.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
-    topology = topology or parallel.pipe_topology(config.tensor_model_parallel_size,
-                                                  config.pipeline_model_parallel_size)
+    topology = topology or pipe_topology(config.tensor_model_parallel_size,
+                                         config.pipeline_model_parallel_size)
     if topology.get_dim("pipe") != config.pipeline_model_parallel_size:
         raise ValueError(f"topology has {topology.get_dim('pipe')} pipeline stages, config has "
                          f"--pipeline-model-parallel-size {config.pipeline_model_parallel_size}")

@@ -39,12 +39,15 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_lev import parallel
 from megatron_lev.arguments import (derive_vocab_size, effective_config, format_config, parse_args, summarize_config,
                                     validate_args)
 from megatron_lev.checkpointing import (UNIVERSAL, check_layout_change, check_resume_compatible, layout_changes,
                                         load_checkpoint, read_checkpoint_config, save_checkpoint, select_checkpoint,
                                         select_readable_checkpoint, write_run_config)
+from megatron_lev.distributed.launch import default_device, detect_launch_env, init_distributed
+from megatron_lev.distributed.rng import set_seed
+from megatron_lev.distributed.state import (DeepSpeedMPU, destroy_parallel, initialize_model_parallel, is_rank_0,
+                                            print_rank_0)
 from megatron_lev.ds_config import build_deepspeed_config, offloads_optimizer
 from megatron_lev.flops import FlopsModel, peak_flops_per_device, training_flops
 from megatron_lev.metrics import MetricsWriter
@@ -234,7 +237,7 @@ def build_engine(args, model_config, ds_config: dict):
         from megatron_lev.model import LeviathanModel
 
         module = LeviathanModel(model_config)
-        mpu = parallel.DeepSpeedMPU()
+        mpu = DeepSpeedMPU()
     if torch.cuda.is_available():
         module = module.cuda()
     if getattr(args, "compile_layers", False):
@@ -361,7 +364,7 @@ class Trainer:
         self.args, self.model_config, self.config = args, model_config, config
         self.train_ds, self.valid_ds, self.test_ds = datasets
         self.exit_handler: Optional[ExitSignalHandler] = None
-        self.device = parallel.default_device()
+        self.device = default_device()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         # Collective: a checkpoint with an unreadable file falls back to the previous one.
@@ -389,13 +392,13 @@ class Trainer:
                 universal = None
                 if self.layout_changes:
                     universal_dir = os.path.join(args.load, tag, UNIVERSAL)
-                    parallel.print_rank_0(f"--load {args.load}: checkpoint {tag} was saved under another layout ("
-                                          f"{'; '.join(self.layout_changes)}); loading it through DeepSpeed's "
-                                          f"universal checkpoint in {universal_dir}")
+                    print_rank_0(f"--load {args.load}: checkpoint {tag} was saved under another layout ("
+                                 f"{'; '.join(self.layout_changes)}); loading it through DeepSpeed's "
+                                 f"universal checkpoint in {universal_dir}")
                     universal = dict(pipeline=self.is_pipeline, num_layers=model_config.num_layers,
                                      tied=model_config.embedding == "tied")
                 client = load_checkpoint(self.engine, args.load, tag, load_optimizer=not args.no_load_optim,
-                                                       universal=universal, files_checked=True)
+                                         universal=universal, files_checked=True)
                 # Counters always continue (Megatron resets them only for --finetune).
                 self.state = TrainState.from_client_state(client)
                 self.last_saved = self.state.iteration
@@ -406,10 +409,10 @@ class Trainer:
                         self.engine.optimizer.optimizer.state.clear()
                     for _ in range(self.state.iteration - self.state.skipped_steps):
                         self.engine.lr_scheduler.step()
-                parallel.print_rank_0(f"resumed from {os.path.join(args.load, tag)} at iteration "
-                                      f"{self.state.iteration} ({self.state.consumed_samples} samples)")
+                print_rank_0(f"resumed from {os.path.join(args.load, tag)} at iteration "
+                             f"{self.state.iteration} ({self.state.consumed_samples} samples)")
             else:
-                parallel.print_rank_0(f"--load {args.load}: no complete checkpoint, starting fresh")
+                print_rank_0(f"--load {args.load}: no complete checkpoint, starting fresh")
 
         self.metrics = MetricsWriter(
             active=self.rank == 0, jsonl_path=args.metrics_file, tensorboard_dir=args.tensorboard_dir,
@@ -490,7 +493,7 @@ class Trainer:
         # Megatron's validation block.
         line = (f" {'validation' if name == 'valid' else name} loss at iteration {self.state.iteration} | "
                 f"lm loss value: {loss:.6E} | lm loss PPL: {math.exp(min(20.0, loss)):.6E} | ")
-        parallel.print_rank_0("-" * (len(line) + 1) + "\n" + line + "\n" + "-" * (len(line) + 1))
+        print_rank_0("-" * (len(line) + 1) + "\n" + line + "\n" + "-" * (len(line) + 1))
         return loss
 
     # ------------------------------------------------------------------ checkpoints
@@ -500,11 +503,11 @@ class Trainer:
             return
         t0 = time.perf_counter()
         tag = save_checkpoint(self.engine, self.args.save, self.state.iteration,
-                                            self.state.client_state(self.config), self.config,
-                                            keep_last=self.args.keep_last_checkpoints)
+                              self.state.client_state(self.config), self.config,
+                              keep_last=self.args.keep_last_checkpoints)
         self.last_saved = self.state.iteration
-        parallel.print_rank_0(f"saved checkpoint {os.path.join(self.args.save, tag)} "
-                              f"in {time.perf_counter() - t0:.1f}s")
+        print_rank_0(f"saved checkpoint {os.path.join(self.args.save, tag)} "
+                     f"in {time.perf_counter() - t0:.1f}s")
 
     # ------------------------------------------------------------------ logging
 
@@ -542,8 +545,8 @@ class Trainer:
     def run(self) -> int:
         args, st = self.args, self.state
         if st.iteration >= args.train_iters:  # a finished run started again (e.g. requeued): nothing to do
-            parallel.print_rank_0(f"training done: already at iteration {st.iteration} (--train-iters "
-                                  f"{args.train_iters}), nothing to do")
+            print_rank_0(f"training done: already at iteration {st.iteration} (--train-iters "
+                         f"{args.train_iters}), nothing to do")
             return EXIT_OK
         batches = micro_batches(self.train_ds, st.consumed_samples, args, self.device, self.lev_vocab_size)
         stats = IntervalStats()
@@ -570,8 +573,8 @@ class Trainer:
                 st.skipped_steps += 1
                 st.consecutive_skipped += 1
                 stats.skipped += 1
-                parallel.print_rank_0(f"iteration {st.iteration}: non-finite loss ({loss_value}) or gradient "
-                                      f"norm ({grad_norm}); step skipped ({st.consecutive_skipped} in a row)")
+                print_rank_0(f"iteration {st.iteration}: non-finite loss ({loss_value}) or gradient "
+                             f"norm ({grad_norm}); step skipped ({st.consecutive_skipped} in a row)")
 
             if st.iteration % args.log_interval == 0 or st.iteration == args.train_iters:
                 self.log(stats, lr, grad_norm)
@@ -598,16 +601,16 @@ class Trainer:
                 stop = "exit interval"
             if stop is not None and st.iteration < args.train_iters:
                 self.save()
-                parallel.print_rank_0(f"exiting at iteration {st.iteration} ({stop})"
-                                      + (f"; resume with --load {args.save}" if args.save else ""))
+                print_rank_0(f"exiting at iteration {st.iteration} ({stop})"
+                             + (f"; resume with --load {args.save}" if args.save else ""))
                 return EXIT_OK
 
         if last_eval != st.iteration:
             self.evaluate(self.valid_ds, "valid")
         self.evaluate(self.test_ds, "test")
         self.save()
-        parallel.print_rank_0(f"training done: {st.iteration} iterations, {st.consumed_tokens} tokens, "
-                              f"{st.skipped_steps} skipped steps")
+        print_rank_0(f"training done: {st.iteration} iterations, {st.consumed_tokens} tokens, "
+                     f"{st.skipped_steps} skipped steps")
         return EXIT_OK
 
 
@@ -646,7 +649,7 @@ def _memory_gb() -> float:
 def main(argv=None) -> int:
     """Train; returns the exit code. Callable in-process: it initialises torch.distributed
     only if nobody did, and tears down only what it set up."""
-    launch = parallel.detect_launch_env()
+    launch = detect_launch_env()
     try:
         args = parse_args(argv)
         validate_args(args, launch.world_size)
@@ -681,12 +684,12 @@ def main(argv=None) -> int:
         return fail(str(exc), launch.rank)
 
     owns_process_group = not dist.is_initialized()
-    parallel.init_distributed(timeout_minutes=args.distributed_timeout_minutes)
-    parallel.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    init_distributed(timeout_minutes=args.distributed_timeout_minutes)
+    initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     exit_handler = None
     try:
-        parallel.set_seed(args.seed)
-        if parallel.is_rank_0():
+        set_seed(args.seed)
+        if is_rank_0():
             if args.save:  # the full configuration goes to the run folder, a summary to stdout
                 write_run_config(args.save, config)
                 print(summarize_config(config, os.path.join(args.save, "config.yaml")), flush=True)
@@ -712,7 +715,7 @@ def main(argv=None) -> int:
         if exit_handler is not None:
             exit_handler.uninstall()
         if owns_process_group:
-            parallel.destroy_parallel()
+            destroy_parallel()
         else:
             from megatron.core import parallel_state
 

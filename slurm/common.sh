@@ -415,7 +415,7 @@ launch_training() {
     ((${#HOSTS[@]} >= NODES)) || die "the allocation lists ${#HOSTS[@]} hosts, fewer than NODES=$NODES"
     : "${MASTER_ADDR:=${HOSTS[0]}}"
     # The same job id gives the same port after a requeue; different jobs sharing a
-    # node get different ports (same formula as megatron_lev.parallel.detect_launch_env).
+    # node get different ports (same formula as megatron_lev.distributed.launch.detect_launch_env).
     : "${MASTER_PORT:=$((10000 + JOB_ID % 50000))}"
     export_runtime_env
     torchrun_features

@@ -37,17 +37,17 @@ def _rank_main(rank, world_size, port, fn, args, out_dir, extra_env):
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
-        from megatron_lev import parallel
+        from megatron_lev.distributed.launch import init_distributed
 
-        parallel.init_distributed(backend="gloo", timeout_minutes=5)
+        init_distributed(backend="gloo", timeout_minutes=5)
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, path)
     except BaseException:  # report every failure, SystemExit included
         torch.save({"ok": False, "error": traceback.format_exc()}, path)
     finally:
-        from megatron_lev import parallel
+        from megatron_lev.distributed.state import destroy_parallel
 
-        parallel.destroy_parallel()
+        destroy_parallel()
 
 
 def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 600, env: dict | None = None):

@@ -48,17 +48,18 @@ def bf16_gradients(rank, world_size, argv, communication_data_type):
     `communication_data_type`. Collective; returns {name: full fp32 gradient}."""
     from deepspeed.utils import safe_get_full_grad
 
-    from megatron_lev import parallel
     from megatron_lev.arguments import parse_args, validate_args
+    from megatron_lev.distributed.rng import set_seed
+    from megatron_lev.distributed.state import initialize_model_parallel
     from megatron_lev.ds_config import build_deepspeed_config
     from megatron_lev.train import build_engine, build_model_config
 
     args = validate_args(parse_args(argv), world_size)
     ds_config = build_deepspeed_config(args)
     ds_config["communication_data_type"] = communication_data_type
-    parallel.initialize_model_parallel(1, 1)
+    initialize_model_parallel(1, 1)
     try:
-        parallel.set_seed(args.seed)
+        set_seed(args.seed)
         engine = build_engine(args, build_model_config(args), ds_config)
         batches = _grad_micro_batches(2, args)
         mine = batches[rank::world_size]

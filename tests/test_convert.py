@@ -65,18 +65,19 @@ def _train_then_reference(rank, world_size, runs: dict, raw_tp2: list, prompt: t
     """
     from megatron.core import parallel_state
 
-    from megatron_lev import parallel
     from megatron_lev.convert import find_checkpoint, load_checkpoint_full, load_full_state_dict
+    from megatron_lev.distributed.launch import init_distributed
+    from megatron_lev.distributed.state import initialize_model_parallel
     from megatron_lev.model import LeviathanModel, gather_logits
     from megatron_lev.train import main
 
     codes = [main(argv) for argv in runs.values()]
     if any(codes):
         return {"codes": dict(zip(runs, codes))}
-    parallel.init_distributed(backend="gloo")  # main() tears the process group down at its end
+    init_distributed(backend="gloo")  # main() tears the process group down at its end
     out = {"codes": dict(zip(runs, codes)), "tp2": {}, "tp1": {}}
     saves = {name: argv[argv.index("--save") + 1] for name, argv in runs.items()}
-    parallel.initialize_model_parallel(2, 1)
+    initialize_model_parallel(2, 1)
     for name in raw_tp2:
         info = find_checkpoint(saves[name])
         cfg = info.model_config(tensor_model_parallel_size=2)
@@ -86,7 +87,7 @@ def _train_then_reference(rank, world_size, runs: dict, raw_tp2: list, prompt: t
         model.load_state_dict(shard["module"], strict=True)
         with torch.no_grad():
             out["tp2"][name] = gather_logits(model(prompt), cfg.vocab_size)
-    parallel.initialize_model_parallel(1, 1)
+    initialize_model_parallel(1, 1)
     for name, path in saves.items():
         full, info = load_checkpoint_full(path)
         cfg = info.model_config()

@@ -176,7 +176,7 @@ def test_bucket_nll_weighted_by_counts_equals_overall():
 
 def test_comparison_table_relative_change():
     table = ComparisonTable("t", ["rare", "common"], {"tied": [100.0, 10.0], "lev": [19.0, 9.9]},
-                                   baseline="tied", info_columns={"eval tokens": [12, 3400]}, metric_name="ppl")
+                            baseline="tied", info_columns={"eval tokens": [12, 3400]}, metric_name="ppl")
     data = table.to_json()
     assert data["rows"][0]["relative_change_pct"]["lev"] == pytest.approx(-81.0)
     assert data["rows"][1]["relative_change_pct"]["lev"] == pytest.approx(-1.0)
@@ -280,11 +280,11 @@ def _valid_samples(tiny_dataset, spm_tokenizer, count: int) -> dict:
 
 def _direct_loss(rank, world_size, load_dir: str, batch: dict) -> float:
     """Our model's own masked-mean loss (forward with labels) on `batch`, TP=1, merged checkpoint."""
-    from megatron_lev import parallel
     from megatron_lev.convert import load_checkpoint_full, load_full_state_dict
+    from megatron_lev.distributed.state import initialize_model_parallel
     from megatron_lev.model import LeviathanModel
 
-    parallel.initialize_model_parallel(1, 1)
+    initialize_model_parallel(1, 1)
     full, info = load_checkpoint_full(load_dir)
     config = info.model_config()
     model = LeviathanModel(config).eval()

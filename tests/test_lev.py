@@ -153,9 +153,9 @@ def forward_backward(layer, ids, grad_out):
 def _tp2_rank(rank, world_size):
     from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 
-    from megatron_lev import parallel
+    from megatron_lev.distributed.state import initialize_model_parallel
 
-    parallel.initialize_model_parallel(tensor_model_parallel_size=2)
+    initialize_model_parallel(tensor_model_parallel_size=2)
     ids, grad_out = tp_inputs()
     result = {}
     for unique in (True, False):

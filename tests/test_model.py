@@ -25,16 +25,17 @@ def _data(seed=3):
 @pytest.fixture(scope="module")
 def single_rank():
     """torch.distributed and megatron-core groups for one in-process rank (TP = PP = 1)."""
-    from megatron_lev import parallel
+    from megatron_lev.distributed.launch import init_distributed
+    from megatron_lev.distributed.state import destroy_parallel, initialize_model_parallel
 
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     for key in saved:
         os.environ.pop(key, None)
     assert not dist.is_initialized()
-    parallel.init_distributed(backend="gloo")
-    parallel.initialize_model_parallel(1, 1)
+    init_distributed(backend="gloo")
+    initialize_model_parallel(1, 1)
     yield
-    parallel.destroy_parallel()
+    destroy_parallel()
     for key, value in saved.items():
         os.environ.pop(key, None)
         if value is not None:
@@ -47,13 +48,13 @@ CASES = [(kind, groups) for kind in ("lev", "tied", "untied") for groups in (2, 
 
 
 def _tp_outputs(rank, world_size):
-    from megatron_lev import parallel
+    from megatron_lev.distributed.state import initialize_model_parallel
     from megatron_lev.model import build_model, count_parameters, gather_logits, gather_tensor_parallel
 
     input_ids, labels, loss_mask = _data()
     out = {}
     for tp in (1, 2):  # TP=1 first (both ranks compute it, as data-parallel replicas)
-        parallel.initialize_model_parallel(tensor_model_parallel_size=tp)
+        initialize_model_parallel(tensor_model_parallel_size=tp)
         for kind, groups in CASES:
             config = model_config_from_dict(TINY, embedding=kind, num_query_groups=groups,
                                             tensor_model_parallel_size=tp)
@@ -140,7 +141,7 @@ def test_tied_head_and_table_are_one_tensor(single_rank):
 def test_activation_checkpointing_gives_the_same_gradients(single_rank, recompute):
     """With dropout on (attention dropout draws from the TP RNG tracker), so recomputation
     must replay the same masks."""
-    from megatron_lev import parallel
+    from megatron_lev.distributed.rng import set_seed
     from megatron_lev.model import build_model
 
     input_ids, labels, loss_mask = _data()
@@ -148,7 +149,7 @@ def test_activation_checkpointing_gives_the_same_gradients(single_rank, recomput
     for setting in (False, recompute):
         config = model_config_from_dict(TINY, recompute=setting, attention_dropout=0.1, hidden_dropout=0.1)
         model = build_model(config).train()
-        parallel.set_seed(99)
+        set_seed(99)
         loss = model(input_ids, labels=labels, loss_mask=loss_mask)
         loss.backward()
         results.append((loss.item(), _grads(model)))

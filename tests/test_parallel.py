@@ -3,23 +3,25 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_lev import parallel
+from megatron_lev.distributed.launch import cuda_device_index, detect_launch_env
+from megatron_lev.distributed.rng import CPURNGStatesTracker, get_rng_tracker, set_seed
+from megatron_lev.distributed.state import DeepSpeedMPU, initialize_model_parallel
 from tests.distributed import run_distributed
 
 
 def test_detect_launch_env_torchrun_slurm_single():
-    env = parallel.detect_launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
-                                      "MASTER_ADDR": "n0", "MASTER_PORT": "1234"})
+    env = detect_launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                             "MASTER_ADDR": "n0", "MASTER_PORT": "1234"})
     assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port, env.launcher) == \
         (3, 8, 1, "n0", 1234, "torchrun")
-    env = parallel.detect_launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5",
-                                      "SLURM_JOB_ID": "123456", "MASTER_ADDR": "gpu01"})
+    env = detect_launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5",
+                             "SLURM_JOB_ID": "123456", "MASTER_ADDR": "gpu01"})
     assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.launcher) == (5, 16, 5, "gpu01", "slurm")
     assert env.master_port == 10000 + 123456 % 50000
-    env = parallel.detect_launch_env({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
-                                      "OMPI_COMM_WORLD_LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "5"})
+    env = detect_launch_env({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
+                             "OMPI_COMM_WORLD_LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "5"})
     assert (env.rank, env.world_size, env.launcher) == (2, 4, "mpi")
-    env = parallel.detect_launch_env({})
+    env = detect_launch_env({})
     assert (env.rank, env.world_size, env.launcher) == (0, 1, "single") and env.master_port > 0
 
 
@@ -27,25 +29,25 @@ def test_local_world_size_and_too_few_gpus_refused(monkeypatch):
     """Processes per node from each launcher; a node with fewer GPUs than processes is
     refused (local_rank % count would put two ranks on one GPU)."""
     slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "10", "SLURM_LOCALID": "1", "MASTER_ADDR": "n0"}
-    assert parallel.detect_launch_env({**slurm, "SLURM_STEP_TASKS_PER_NODE": "4(x2),2",
-                                       "SLURM_NODEID": "2"}).local_world_size == 2
-    assert parallel.detect_launch_env({**slurm, "SLURM_TASKS_PER_NODE": "4(x2),2",
-                                       "SLURM_NODEID": "1"}).local_world_size == 4
-    assert parallel.detect_launch_env({"RANK": "0", "WORLD_SIZE": "8", "LOCAL_RANK": "0",
-                                       "LOCAL_WORLD_SIZE": "8"}).local_world_size == 8
-    mpi = parallel.detect_launch_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4",
-                                      "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-                                      "MASTER_ADDR": "h"})
+    assert detect_launch_env({**slurm, "SLURM_STEP_TASKS_PER_NODE": "4(x2),2",
+                              "SLURM_NODEID": "2"}).local_world_size == 2
+    assert detect_launch_env({**slurm, "SLURM_TASKS_PER_NODE": "4(x2),2",
+                              "SLURM_NODEID": "1"}).local_world_size == 4
+    assert detect_launch_env({"RANK": "0", "WORLD_SIZE": "8", "LOCAL_RANK": "0",
+                              "LOCAL_WORLD_SIZE": "8"}).local_world_size == 8
+    mpi = detect_launch_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4",
+                             "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                             "MASTER_ADDR": "h"})
     assert (mpi.local_rank, mpi.local_world_size) == (1, 2)
-    assert parallel.cuda_device_index(mpi, 2) == 1 and parallel.cuda_device_index(mpi, 8) == 1
+    assert cuda_device_index(mpi, 2) == 1 and cuda_device_index(mpi, 8) == 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     with pytest.raises(RuntimeError, match=r"^this node runs 2 processes \(mpi\) but exposes 1 GPU\(s\) "
                                            r"\(CUDA_VISIBLE_DEVICES=0\): start one process per GPU"):
-        parallel.cuda_device_index(mpi, 1)
+        cuda_device_index(mpi, 1)
 
 
 def test_cpu_rng_tracker_fork_is_isolated_and_restorable():
-    tracker = parallel.CPURNGStatesTracker()
+    tracker = CPURNGStatesTracker()
     tracker.add("a", 1234)
     torch.manual_seed(7)
     expected_default = torch.rand(3)
@@ -67,10 +69,10 @@ def test_cpu_rng_tracker_fork_is_isolated_and_restorable():
 def _groups_and_seeds(rank, world_size):
     from megatron.core import parallel_state
 
-    parallel.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
-    parallel.set_seed(1234)
-    mpu = parallel.DeepSpeedMPU()
-    with parallel.get_rng_tracker().fork():
+    initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
+    set_seed(1234)
+    mpu = DeepSpeedMPU()
+    with get_rng_tracker().fork():
         tp_draw = torch.rand(4)
     default_draw = torch.rand(4)
     t = torch.tensor([float(rank + 1)])
@@ -95,7 +97,7 @@ def _gloo_groups_created() -> dict:
     is_available = torch.cuda.is_available
     torch.cuda.is_available = lambda: True
     try:
-        parallel.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
+        initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
         created["cuda"] = parallel_state._DATA_PARALLEL_GROUP_GLOO is not None
     finally:
         torch.cuda.is_available = is_available

@@ -106,7 +106,7 @@ def test_collate_ships_distinct_ids_range_checked():
 
 FAULTS_PER_ALLOCATION = textwrap.dedent("""
     import resource, sys, torch
-    from megatron_lev.parallel import retain_freed_cpu_memory
+    from megatron_lev.distributed.launch import retain_freed_cpu_memory
     applied = retain_freed_cpu_memory() if sys.argv[1] == "retain" else None
     faults = []
     for _ in range(5):  # a 64 MB tensor, written, freed: what a training step does with its logits

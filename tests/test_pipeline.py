@@ -24,13 +24,14 @@ def _batches(seed):
 def _pipeline_vs_plain(rank, world_size, cases):
     import deepspeed
 
-    from megatron_lev import parallel
     from megatron_lev.configs import load_config
+    from megatron_lev.distributed.rng import set_seed
+    from megatron_lev.distributed.state import initialize_model_parallel
     from megatron_lev.model import build_model, model_config_from_dict
     from megatron_lev.pipeline import build_pipeline_model
 
-    parallel.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
-    parallel.set_seed(1234)
+    initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    set_seed(1234)
     section = load_config("tiny-lev")["model"]
     results = {}
     for kind, recompute in cases:

@@ -99,8 +99,10 @@ def _import_rank(rank: int, world: int, port: int, full_path: str, args: argpars
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
                        "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    from megatron_lev import parallel
     from megatron_lev.checkpointing import save_checkpoint
+    from megatron_lev.distributed.launch import init_distributed
+    from megatron_lev.distributed.rng import set_seed
+    from megatron_lev.distributed.state import destroy_parallel, initialize_model_parallel
 
     try:
         from megatron.core import parallel_state
@@ -112,9 +114,9 @@ def _import_rank(rank: int, world: int, port: int, full_path: str, args: argpars
         from megatron_lev.safe_load import safe_torch_load
         from megatron_lev.train import TrainState, build_engine, build_model_config
 
-        parallel.init_distributed(backend="gloo")
-        parallel.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-        parallel.set_seed(args.seed)
+        init_distributed(backend="gloo")
+        initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        set_seed(args.seed)
         model_config = build_model_config(args)
         ds_config = build_deepspeed_config(args)
         engine = build_engine(args, model_config, ds_config)
@@ -133,7 +135,7 @@ def _import_rank(rank: int, world: int, port: int, full_path: str, args: argpars
             f.write(traceback.format_exc())
         raise
     finally:
-        parallel.destroy_parallel()
+        destroy_parallel()
 
 
 def import_hf_model(hf_dir: str, save_dir: str, tensor_model_parallel_size: int = 1,
