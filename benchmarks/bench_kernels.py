@@ -108,7 +108,9 @@ def decoder_part(tokens: int, seq: int, compiled: bool) -> dict:
     from megatron_lev.configs import load_config  # noqa: F401  (packaged YAMLs)
     from megatron_lev.distributed.launch import init_distributed
     from megatron_lev.distributed.state import initialize_model_parallel
-    from megatron_lev.model import DecoderLayer, model_config_from_dict, rotary_cos_sin
+    from megatron_lev.models.config import model_config_from_dict
+    from megatron_lev.models.layers import rotary_cos_sin
+    from megatron_lev.models.transformer import DecoderLayer
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")

@@ -213,7 +213,7 @@ class PlainLlamaEngine:
 def build_run(size: Size, kind: str, bf16: bool, num_layers: Optional[int] = None) -> Run:
     from megatron_lev.arguments import parse_args, validate_args
     from megatron_lev.ds_config import build_deepspeed_config
-    from megatron_lev.model import count_parameters
+    from megatron_lev.models.param_count import count_parameters
     from megatron_lev.train import build_engine, build_model_config, flops_model
 
     plain = kind == "plain"

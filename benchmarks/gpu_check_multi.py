@@ -74,7 +74,8 @@ def tensor_parallel_check(config: str, layers: int, batch: int, seq: int, device
     from megatron_lev.configs import load_config
     from megatron_lev.distributed.rng import set_seed
     from megatron_lev.distributed.state import initialize_model_parallel
-    from megatron_lev.model import build_model, gather_logits, gather_tensor_parallel, model_config_from_dict
+    from megatron_lev.models.config import model_config_from_dict
+    from megatron_lev.models.decoder import build_model, gather_logits, gather_tensor_parallel
 
     section = dict(load_config(config)["model"], num_layers=layers)
     g = torch.Generator().manual_seed(7)
@@ -127,7 +128,7 @@ def lev_sequence_parallel_check(section: dict, ids: torch.Tensor) -> dict:
     from megatron_lev.distributed.state import initialize_model_parallel
     from megatron_lev.lev.generator import LEVConfig
     from megatron_lev.lev.parallel import ParallelLEVEmbedding
-    from megatron_lev.model import gather_tensor_parallel
+    from megatron_lev.models.decoder import gather_tensor_parallel
 
     lev = LEVConfig.from_dict({**section.get("lev", {}), "vocab_size": section["vocab_size"],
                                "hidden_size": section["hidden_size"]})

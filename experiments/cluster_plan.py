@@ -32,7 +32,8 @@ def run_cost(config_name: str, gpu_type: str, mfu: float) -> dict:
     """Parameters, tokens, training FLOPs and GPU-hours of one packaged config's run."""
     from megatron_lev.configs import load_config
     from megatron_lev.flops import peak_flops_per_device, training_flops
-    from megatron_lev.model import count_parameters, model_config_from_dict
+    from megatron_lev.models.config import model_config_from_dict
+    from megatron_lev.models.param_count import count_parameters
     from megatron_lev.train import flops_model
 
     config = load_config(config_name)

@@ -477,7 +477,7 @@ def effective_config(args: argparse.Namespace, model: dict | None = None) -> dic
 
 def summarize_config(cfg: dict, full_path: str) -> str:
     """A few lines of the effective configuration for stdout (the whole of it is in `full_path`)."""
-    from megatron_lev.model import pad_vocab_size  # torch: only when a run starts
+    from megatron_lev.models.config import pad_vocab_size  # torch: only when a run starts
 
     m, t = cfg["model"], cfg["training"]
     ds = cfg.get("deepspeed", {})

@@ -287,12 +287,12 @@ def universal_checkpoint_info(config: dict) -> dict:
     the run whose effective config is `config`: how every parameter of the whole model (all
     pipeline stages) is split over TP ranks, as regexes on DeepSpeed's parameter names
     (Megatron-DeepSpeed's UNIVERSAL_CHECKPOINT_INFO). The partitions come from
-    convert.partition_of (model.py's table)."""
+    convert.partition_of (the table of models/decoder.py)."""
     from deepspeed.checkpoint import constants as ds
 
     from megatron_lev.convert import expected_parameter_names, partition_of
-    from megatron_lev.model import model_config_from_dict
-    from megatron_lev.pipeline import model_to_pipeline_key
+    from megatron_lev.models.config import model_config_from_dict
+    from megatron_lev.models.pipeline import model_to_pipeline_key
 
     model_config = model_config_from_dict(config["model"])
     pipeline = config["training"].get("pipeline_model_parallel_size", 1) > 1
@@ -350,7 +350,7 @@ def convert_to_universal(ckpt_dir: str, tag: str, *, pipeline: bool, num_layers:
 
     from deepspeed.checkpoint import ds_to_universal
 
-    from megatron_lev.pipeline import model_to_pipeline_key, pipeline_to_model_key
+    from megatron_lev.models.pipeline import model_to_pipeline_key, pipeline_to_model_key
 
     src = os.path.join(ckpt_dir, tag)
     out = os.path.join(src, UNIVERSAL)

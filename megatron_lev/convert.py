@@ -1,6 +1,6 @@
 """Checkpoint conversion between parallel layouts, through one *full* state dict.
 
-A full state dict holds every parameter of `LeviathanModel` (model.py) under its plain name
+A full state dict holds every parameter of `LeviathanModel` (models/decoder.py) under its plain name
 (`layers.3.attention.qkv.weight`, ...) as one whole tensor, with the vocabulary unpadded
 (`embedding.weight` / `output_layer.weight` have `vocab_size` rows). It does not depend on
 TP, PP or ZeRO, so it is the meeting point of every conversion:
@@ -10,7 +10,7 @@ TP, PP or ZeRO, so it is the meeting point of every conversion:
     full state dict  <-->  Hugging Face (megatron_lev/hf/export.py)
 
 How each parameter is split over tensor-parallel ranks is `partition_of` below, the table of
-model.py's docstring: column-parallel weights along dim 0 (gate_up with megatron's stride 2),
+models/decoder.py's docstring: column-parallel weights along dim 0 (gate_up with megatron's stride 2),
 row-parallel ones along dim 1, LEV heads along dim 0, vocabulary tables along dim 0 with
 padding, the rest replicated. Replicated tensors must be identical on every TP rank; a
 checkpoint where they are not is refused (it would mean the ranks trained different models).
@@ -22,7 +22,7 @@ Checkpoint layouts read (written by `megatron_lev.train` through DeepSpeed, see 
                                  weights are rebuilt from the optimizer partitions with DeepSpeed's
                                  zero_to_fp32, one tensor-parallel rank at a time
     pipeline  PP > 1             layer_{index:02d}-model_{tp:02d}-model_states.pt, one file per pipeline
-                                 layer and TP rank (pipeline.py maps the names)
+                                 layer and TP rank (models/pipeline.py maps the names)
 """
 from __future__ import annotations
 
@@ -39,11 +39,12 @@ import torch
 from megatron_lev.checkpointing import (COMPLETE_MARKER, CONFIG_FILE, checkpoint_tag, complete_checkpoints, find_latest,
                                         is_complete, read_checkpoint_config, tag_iteration)
 from megatron_lev.lev.generator import HEAD_SHARDED_PARAMETERS, REPLICATED_PARAMETERS
-from megatron_lev.model import LeviathanConfig, merge_tensor_parallel_shards, model_config_from_dict, pad_vocab_size
+from megatron_lev.models.config import LeviathanConfig, model_config_from_dict, pad_vocab_size
+from megatron_lev.models.decoder import merge_tensor_parallel_shards
 from megatron_lev.safe_load import safe_torch_load
 from megatron_lev.utils.errors import CheckpointError
 
-# Where model.py's LEV embedding (lev.parallel.ParallelLEVEmbedding) keeps the generator's parameters.
+# Where the decoder's LEV embedding (lev.parallel.ParallelLEVEmbedding) keeps the generator's parameters.
 LEV_PREFIX = "embedding.generator."
 
 
@@ -81,7 +82,7 @@ def is_extra_state(name: str) -> bool:
 
 
 def partition_of(name: str, embedding: str) -> Partition:
-    """The TP partition of a LeviathanModel parameter (model.py's docstring table)."""
+    """The TP partition of a LeviathanModel parameter (models/decoder.py's docstring table)."""
     match = _LAYER_KEY.match(name)
     if match and match.group(2) in _LAYER_PARTITIONS:
         return _LAYER_PARTITIONS[match.group(2)]
@@ -98,7 +99,7 @@ def partition_of(name: str, embedding: str) -> Partition:
     if embedding != "lev" and name == "embedding.weight":
         return Partition(0, vocab=True)
     raise CheckpointError(f"unknown parameter {name!r} for an embedding={embedding!r} model: the checkpoint "
-                          "does not come from this version of megatron_lev.model")
+                          "does not come from this version of megatron_lev.models")
 
 
 def expected_parameter_names(config: LeviathanConfig) -> list[str]:
@@ -152,7 +153,7 @@ def trim_vocab(t: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def pad_vocab(t: torch.Tensor, padded_vocab_size: int) -> torch.Tensor:
-    """Append zero rows (model.py keeps padding rows at zero; their logits are masked to -inf)."""
+    """Append zero rows (the model keeps padding rows at zero; their logits are masked to -inf)."""
     if t.shape[0] > padded_vocab_size:
         raise CheckpointError(f"a vocabulary table of {t.shape[0]} rows does not fit the padded vocabulary "
                               f"{padded_vocab_size}")
@@ -314,7 +315,7 @@ def _zero3_rank_state(info: CheckpointInfo, tp_rank: int) -> dict:
 
 
 def _pipeline_rank_state(info: CheckpointInfo, tp_rank: int, config: LeviathanConfig) -> dict:
-    from megatron_lev.pipeline import pipeline_to_model_key
+    from megatron_lev.models.pipeline import pipeline_to_model_key
 
     state = {}
     num_layers = config.num_layers

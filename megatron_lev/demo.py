@@ -87,7 +87,7 @@ def run_validation_losses(run_dir: str) -> dict:
     very batches its trainer evaluates (the first --eval-iters global batches of the valid
     split), as the trainer computes it (the mean of per-micro-batch mean losses).
 
-    Initialisation does not depend on the parallel layout (model.py), so a TP=1 model built
+    Initialisation does not depend on the parallel layout (models/layers.py), so a TP=1 model built
     from the run's config and seed holds the run's step-0 weights whatever its TP/DP.
     `final_logged` is the trainer's own last valid_loss (metrics.jsonl): `final` must
     reproduce it, which shows `initial` is measured the same way.
@@ -96,7 +96,7 @@ def run_validation_losses(run_dir: str) -> dict:
 
     from megatron_lev.convert import find_checkpoint, load_full_state_dict, read_checkpoint
     from megatron_lev.data.tokenizer import build_tokenizer
-    from megatron_lev.model import LeviathanModel
+    from megatron_lev.models.decoder import LeviathanModel
     from megatron_lev.train import build_datasets
 
     info = find_checkpoint(run_dir)
@@ -169,7 +169,7 @@ def greedy_decode(model, prompt_ids: list[int], max_new_tokens: int, eod: Option
     step), stopping after `eod` as transformers' generate() stops after its eos."""
     import torch
 
-    from megatron_lev.model import gather_logits
+    from megatron_lev.models.decoder import gather_logits
 
     ids = list(prompt_ids)
     with torch.no_grad():
@@ -192,7 +192,7 @@ def generate(hf_dir: str, run_dir: str, prompts, max_new_tokens: int, sample_see
 
     from megatron_lev.convert import find_checkpoint, load_full_state_dict, read_checkpoint
     from megatron_lev.data.tokenizer import build_tokenizer
-    from megatron_lev.model import LeviathanModel
+    from megatron_lev.models.decoder import LeviathanModel
     from megatron_lev.safe_load import hf_trust_remote_code
 
     trust = hf_trust_remote_code(hf_dir, trust_remote_code)  # refuses code that is not ours

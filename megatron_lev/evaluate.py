@@ -78,7 +78,7 @@ class LoadedModel:
     def token_nll(self, tokens: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """NLL [b, s] (float32) of predicting `labels` from `tokens`."""
         if self.kind == "checkpoint":
-            from megatron_lev.model import gather_logits
+            from megatron_lev.models.decoder import gather_logits
 
             logits = gather_logits(self.module(tokens, position_ids=position_ids), self.vocab_size)
         else:
@@ -110,7 +110,8 @@ def load_model(name: str, path: str, device: torch.device, bf16: bool = False,
     kind, load_dir, iteration = model_source(path, f"--model {name}=")
     if kind == "checkpoint":
         from megatron_lev.convert import load_checkpoint_full, load_full_state_dict
-        from megatron_lev.model import LeviathanModel, count_parameters
+        from megatron_lev.models.decoder import LeviathanModel
+        from megatron_lev.models.param_count import count_parameters
 
         full, ckpt = load_checkpoint_full(load_dir, iteration)
         config = ckpt.model_config(bf16=bf16)

@@ -93,7 +93,7 @@ def fail(message: str, rank: int) -> int:
 
 
 def build_model_config(args):
-    from megatron_lev.model import model_config_from_dict
+    from megatron_lev.models.config import model_config_from_dict
 
     # --seed seeds the weights too (Megatron's meaning) unless the YAML pins model.init_seed.
     overrides = {} if "init_seed" in args.model else {"init_seed": args.seed}
@@ -228,20 +228,20 @@ def build_engine(args, model_config, ds_config: dict):
     import deepspeed
 
     if args.pipeline_model_parallel_size > 1:
-        from megatron_lev.pipeline import build_pipeline_model
+        from megatron_lev.models.pipeline import build_pipeline_model
 
         module = build_pipeline_model(model_config)  # recompute interval from the config
         module.loss_fn = _poisoned(module.loss_fn)
         mpu = None  # the PipelineModule carries its topology
     else:
-        from megatron_lev.model import LeviathanModel
+        from megatron_lev.models.decoder import LeviathanModel
 
         module = LeviathanModel(model_config)
         mpu = DeepSpeedMPU()
     if torch.cuda.is_available():
         module = module.cuda()
     if getattr(args, "compile_layers", False):
-        from megatron_lev.model import compile_decoder_layers
+        from megatron_lev.models.transformer import compile_decoder_layers
 
         compile_decoder_layers(module)
     offload = offloads_optimizer(ds_config)

@@ -48,7 +48,7 @@ def prompts(python_corpus, spm_tokenizer) -> torch.Tensor:
 
 
 def _greedy(model, prompt: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    from megatron_lev.model import gather_logits
+    from megatron_lev.models.decoder import gather_logits
 
     seq = prompt
     for _ in range(NEW_TOKENS):
@@ -68,7 +68,7 @@ def _train_then_reference(rank, world_size, runs: dict, raw_tp2: list, prompt: t
     from megatron_lev.convert import find_checkpoint, load_checkpoint_full, load_full_state_dict
     from megatron_lev.distributed.launch import init_distributed
     from megatron_lev.distributed.state import initialize_model_parallel
-    from megatron_lev.model import LeviathanModel, gather_logits
+    from megatron_lev.models.decoder import LeviathanModel, gather_logits
     from megatron_lev.train import main
 
     codes = [main(argv) for argv in runs.values()]

@@ -282,7 +282,7 @@ def _direct_loss(rank, world_size, load_dir: str, batch: dict) -> float:
     """Our model's own masked-mean loss (forward with labels) on `batch`, TP=1, merged checkpoint."""
     from megatron_lev.convert import load_checkpoint_full, load_full_state_dict
     from megatron_lev.distributed.state import initialize_model_parallel
-    from megatron_lev.model import LeviathanModel
+    from megatron_lev.models.decoder import LeviathanModel
 
     initialize_model_parallel(1, 1)
     full, info = load_checkpoint_full(load_dir)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lev.configs import load_config
-from megatron_lev.model import model_config_from_dict
+from megatron_lev.models.config import model_config_from_dict
 from tests.distributed import run_distributed
 
 VOCAB, BATCH, SEQ = 1000, 2, 16
@@ -49,7 +49,8 @@ CASES = [(kind, groups) for kind in ("lev", "tied", "untied") for groups in (2, 
 
 def _tp_outputs(rank, world_size):
     from megatron_lev.distributed.state import initialize_model_parallel
-    from megatron_lev.model import build_model, count_parameters, gather_logits, gather_tensor_parallel
+    from megatron_lev.models.decoder import build_model, gather_logits, gather_tensor_parallel
+    from megatron_lev.models.param_count import count_parameters
 
     input_ids, labels, loss_mask = _data()
     out = {}
@@ -101,7 +102,7 @@ def _grads(model):
 
 
 def test_tied_head_and_table_are_one_tensor(single_rank):
-    from megatron_lev.model import build_model
+    from megatron_lev.models.decoder import build_model
 
     tied = build_model(model_config_from_dict(TINY, embedding="tied"))
     untied = build_model(model_config_from_dict(TINY, embedding="untied"))
@@ -142,7 +143,7 @@ def test_activation_checkpointing_gives_the_same_gradients(single_rank, recomput
     """With dropout on (attention dropout draws from the TP RNG tracker), so recomputation
     must replay the same masks."""
     from megatron_lev.distributed.rng import set_seed
-    from megatron_lev.model import build_model
+    from megatron_lev.models.decoder import build_model
 
     input_ids, labels, loss_mask = _data()
     results = []
@@ -160,7 +161,7 @@ def test_activation_checkpointing_gives_the_same_gradients(single_rank, recomput
 
 
 def test_bf16_parameters_with_float32_loss(single_rank):
-    from megatron_lev.model import build_model
+    from megatron_lev.models.decoder import build_model
 
     input_ids, labels, loss_mask = _data()
     fp32 = build_model(model_config_from_dict(TINY, embedding="lev"))
@@ -180,8 +181,8 @@ def test_bf16_parameters_with_float32_loss(single_rank):
 
 
 def test_parameter_counts_and_isoparametric_planner_on_built_models(single_rank):
-    from megatron_lev.model import build_model, count_parameters
-    from megatron_lev.param_count import plan_isoparametric
+    from megatron_lev.models.decoder import build_model
+    from megatron_lev.models.param_count import count_parameters, plan_isoparametric
 
     def built(section):
         return sum(p.numel() for p in build_model(model_config_from_dict(section)).parameters())
@@ -233,8 +234,7 @@ def test_papers_vocabulary_family_overhead_and_isoparametric_depths():
     0.15-0.7% over tied (the papers: ~0.2%), and lev-X-200k-iso is exactly the planner's
     isoparametric LEV for untied-X-200k (within 1%), saving the table's V x D over untied."""
     from megatron_lev.lev.generator import smallest_base
-    from megatron_lev.model import count_parameters
-    from megatron_lev.param_count import compare_embeddings, plan_isoparametric
+    from megatron_lev.models.param_count import compare_embeddings, count_parameters, plan_isoparametric
 
     overheads = {}
     for size in ("125m", "200m", "400m", "800m", "1.2b"):

@@ -9,9 +9,13 @@ import textwrap
 import pytest
 import torch
 
-from megatron_lev import model as model_module
 from megatron_lev.configs import load_config
 from megatron_lev.data.datasets import collate_pretraining_batch
+from megatron_lev.models import cross_entropy
+from megatron_lev.models.config import model_config_from_dict
+from megatron_lev.models.cross_entropy import language_model_loss
+from megatron_lev.models.decoder import LeviathanModel
+from megatron_lev.models.transformer import compile_decoder_layers
 from megatron_lev.optim import build_optimizer
 from tests.test_model import single_rank  # noqa: F401  (fixture: one in-process rank)
 
@@ -21,7 +25,7 @@ def relative_error(actual, expected):
 
 
 def tiny_model_and_batch():
-    config = model_module.model_config_from_dict(load_config("tiny-lev")["model"])  # GQA: 4 heads, 2 groups
+    config = model_config_from_dict(load_config("tiny-lev")["model"])  # GQA: 4 heads, 2 groups
     ids = torch.randint(0, config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
     return config, ids[:, :-1], ids[:, 1:]
 
@@ -30,9 +34,9 @@ def test_compiled_decoder_layers_equal_eager_loss_and_gradients(single_rank):  #
     config, tokens, labels = tiny_model_and_batch()
     results = {}
     for compiled in (False, True):
-        model = model_module.LeviathanModel(config)
+        model = LeviathanModel(config)
         if compiled:
-            assert model_module.compile_decoder_layers(model) == config.num_layers
+            assert compile_decoder_layers(model) == config.num_layers
         loss = model(tokens, labels=labels)
         loss.backward()
         results[compiled] = loss.detach(), {n: p.grad for n, p in model.named_parameters()}
@@ -54,10 +58,10 @@ def test_chunked_cross_entropy_equals_megatron_without_a_float32_copy(single_ran
     labels = torch.randint(0, 190, (3, 7), generator=g)
     mask = (torch.rand(3, 7, generator=g) > 0.3).float()
     for dtype, chunk_bytes in ((torch.float32, 1 << 29), (torch.float32, 4 * 200 * 2), (torch.bfloat16, 4 * 200 * 2)):
-        monkeypatch.setattr(model_module, "CROSS_ENTROPY_CHUNK_BYTES", chunk_bytes)  # one chunk; 2 tokens a chunk
+        monkeypatch.setattr(cross_entropy, "CROSS_ENTROPY_CHUNK_BYTES", chunk_bytes)  # one chunk; 2 tokens a chunk
         ours = logits.to(dtype).detach().clone().requires_grad_()
         theirs = logits.to(dtype).detach().clone().requires_grad_()
-        loss = model_module.language_model_loss(ours, labels, mask)
+        loss = language_model_loss(ours, labels, mask)
         loss.backward()
         ref = (vocab_parallel_cross_entropy(theirs.float(), labels.t().contiguous()).t() * mask).sum() / mask.sum()
         ref.backward()

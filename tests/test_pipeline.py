@@ -3,7 +3,7 @@ same loss and the same gradients after one step as the plain PP=1 model from the
 import pytest
 import torch
 
-from megatron_lev.pipeline import model_to_pipeline_key, pipeline_to_model_key
+from megatron_lev.models.pipeline import model_to_pipeline_key, pipeline_to_model_key
 from tests.distributed import run_distributed
 
 VOCAB, SEQ, MICRO_BATCH, MICRO_BATCHES = 1000, 16, 2, 2
@@ -27,8 +27,9 @@ def _pipeline_vs_plain(rank, world_size, cases):
     from megatron_lev.configs import load_config
     from megatron_lev.distributed.rng import set_seed
     from megatron_lev.distributed.state import initialize_model_parallel
-    from megatron_lev.model import build_model, model_config_from_dict
-    from megatron_lev.pipeline import build_pipeline_model
+    from megatron_lev.models.config import model_config_from_dict
+    from megatron_lev.models.decoder import build_model
+    from megatron_lev.models.pipeline import build_pipeline_model
 
     initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
     set_seed(1234)

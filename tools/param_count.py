@@ -8,7 +8,7 @@ The logic lives in megatron_lev/param_count.py.
 """
 import sys
 
-from megatron_lev.param_count import main
+from megatron_lev.models.param_count import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -80,7 +80,7 @@ def set_seed(seed: int) -> None:
 
     Pipeline stages get distinct default seeds (seed + 100 * pp_rank), as in Megatron.
     Weight initialisation never depends on these per-rank streams: models build full
-    tensors from their own seeded generator and slice them (see lev/generator.py / model.py).
+    tensors from their own seeded generator and slice them (see lev/generator.py, models/layers.py).
     """
     pp_rank = parallel_state.get_pipeline_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
     tp_rank = parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0

@@ -31,7 +31,7 @@ Name mapping (ours -> transformers'), per layer i:
     final_norm.weight                 model.norm.weight
     output_layer.weight               lm_head.weight
 
-RoPE needs no permutation: model.py rotates two halves (`rotate_half`), as transformers does.
+RoPE needs no permutation: models/layers.py rotates two halves (`rotate_half`), as transformers does.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ import torch
 import yaml
 
 from megatron_lev.convert import LEV_PREFIX, expected_parameter_names
-from megatron_lev.model import LeviathanConfig, model_config_from_dict
+from megatron_lev.models.config import LeviathanConfig, model_config_from_dict
 from megatron_lev.utils.errors import CheckpointError
 
 HF_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -50,7 +50,7 @@ def _free_port() -> int:
 def _training_yaml(config: Optional[str], hf_section: dict) -> tuple[str, dict, dict]:
     """(config path, raw model section, training section) for the checkpoint's run config."""
     from megatron_lev.configs import config_path, load_config
-    from megatron_lev.model import model_config_from_dict
+    from megatron_lev.models.config import model_config_from_dict
 
     if config is None:
         return "", hf_section, {}
@@ -110,7 +110,7 @@ def _import_rank(rank: int, world: int, port: int, full_path: str, args: argpars
         from megatron_lev.arguments import effective_config
         from megatron_lev.convert import load_full_state_dict
         from megatron_lev.ds_config import build_deepspeed_config
-        from megatron_lev.pipeline import pipeline_to_model_key
+        from megatron_lev.models.pipeline import pipeline_to_model_key
         from megatron_lev.safe_load import safe_torch_load
         from megatron_lev.train import TrainState, build_engine, build_model_config
 
@@ -144,7 +144,7 @@ def import_hf_model(hf_dir: str, save_dir: str, tensor_model_parallel_size: int 
     """Write `save_dir/iter_0000000` (+ latest, model.yaml) from a Hugging Face folder."""
     import torch.multiprocessing as mp
 
-    from megatron_lev.model import model_config_from_dict
+    from megatron_lev.models.config import model_config_from_dict
 
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     if tp < 1 or pp < 1:

@@ -44,8 +44,11 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 from megatron_lev.distributed.state import pipe_topology
 from megatron_lev.lev.parallel import ParallelLEVEmbedding
-from megatron_lev.model import (DecoderLayer, LeviathanConfig, OutputLayer, RMSNorm, VocabEmbedding, checkpoint,
-                                default_position_ids, language_model_loss, lev_embedding_kwargs, rotary_cos_sin)
+from megatron_lev.models.config import LeviathanConfig
+from megatron_lev.models.cross_entropy import language_model_loss
+from megatron_lev.models.layers import (OutputLayer, RMSNorm, VocabEmbedding, checkpoint, default_position_ids,
+                                        lev_embedding_kwargs, rotary_cos_sin)
+from megatron_lev.models.transformer import DecoderLayer
 
 TIED_KEY = "embedding"
 

@@ -18,9 +18,42 @@ import sys
 import yaml
 
 from megatron_lev.configs import load_config
-from megatron_lev.model import EMBEDDING_KINDS, count_parameters, model_config_from_dict
+from megatron_lev.models.config import EMBEDDING_KINDS, LeviathanConfig, model_config_from_dict
 
 FFN_MULTIPLES = (64, 32, 16, 8)
+
+
+def count_parameters(config: LeviathanConfig) -> dict:
+    """Analytic parameter counts of the whole model (all TP ranks together, padding rows
+    included, as allocated). Keys: embedding (the LEV generator or the table), output_layer,
+    attention / mlp / norms / per_layer (one layer), layers (all), final_norm, total,
+    and vocab_padding (rows counted in embedding/output_layer that are padding)."""
+    h, nh, ng, dh = config.hidden_size, config.num_attention_heads, config.num_query_groups, config.kv_channels
+    attention = h * (nh + 2 * ng) * dh + nh * dh * h
+    mlp = 3 * h * config.ffn_hidden_size
+    norms = 2 * h
+    per_layer = attention + mlp + norms
+    table = config.padded_vocab_size * h
+    if config.embedding == "lev":
+        embedding, output_layer = config.lev_config().num_parameters(), table
+    elif config.embedding == "tied":
+        embedding, output_layer = table, 0
+    else:
+        embedding, output_layer = table, table
+    padding = (config.padded_vocab_size - config.vocab_size) * h
+    counts = {
+        "embedding": embedding,
+        "output_layer": output_layer,
+        "attention": attention,
+        "mlp": mlp,
+        "norms": norms,
+        "per_layer": per_layer,
+        "layers": per_layer * config.num_layers,
+        "final_norm": h,
+        "vocab_padding": padding * ((config.embedding != "lev") + (config.embedding != "tied")),
+    }
+    counts["total"] = embedding + output_layer + counts["layers"] + h
+    return counts
 
 
 def _total(section: dict, tp: int) -> int:

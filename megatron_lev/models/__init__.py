@@ -1,0 +1,10 @@
+"""The Leviathan decoder and its baselines (`lev`, `tied`, `untied`) on megatron-core's TP layers.
+
+  config.py         LeviathanConfig (megatron-core's TransformerConfig + our fields), from a YAML section
+  layers.py         init seeds, RoPE, RMSNorm, the input side (LEV | vocab table), linears, the head
+  transformer.py    one decoder layer: RoPE self-attention (GQA) + SwiGLU MLP; per-layer torch.compile
+  cross_entropy.py  float32 vocab-parallel cross entropy and the masked-mean loss
+  decoder.py        LeviathanModel: embedding -> layers -> norm -> head (the weight / TP-split table)
+  pipeline.py       the same model as a DeepSpeed PipelineModule (PP > 1)
+  param_count.py    parameter breakdowns and the isoparametric planner
+"""

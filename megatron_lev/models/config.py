@@ -1,0 +1,179 @@
+"""The model's configuration: megatron-core's `TransformerConfig` with LLaMA defaults and
+the fields it lacks (embedding kind, vocabulary, sequence length, RoPE base, LEV fields, init
+seed), built from a YAML `model:` section by `model_config_from_dict`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_lev.lev.generator import LEVConfig
+
+EMBEDDING_KINDS = ("lev", "tied", "untied")
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
+    """Megatron's rule: round up to a multiple of divisible_by x TP."""
+    multiple = divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
+    """LLaMA's SwiGLU width: 2/3 of 4H (same MLP parameters as a 4H GELU MLP), rounded up."""
+    return -(-int(8 * hidden_size / 3) // multiple_of) * multiple_of
+
+
+@dataclass
+class LeviathanConfig(TransformerConfig):
+    """megatron-core's TransformerConfig with LLaMA defaults and the fields it lacks.
+
+    Build it with `model_config_from_dict` from a YAML `model:` section; `to_dict()` gives
+    that section back (what checkpoints and the HF export store).
+    """
+
+    embedding: str = "lev"  # lev | tied | untied
+    vocab_size: int = 50304  # the tokenizer's vocabulary (50,304: GPT-NeoX/Pile; the papers: ~200k)
+    make_vocab_size_divisible_by: int = 128
+    seq_length: int = 2048
+    rotary_base: float = 10000.0
+    lev: dict = field(default_factory=dict)  # LEVConfig fields but vocab_size/hidden_size
+    init_seed: int = 1234  # Megatron's --seed: all weights derive from it
+    padded_vocab_size: int = field(init=False, default=0)  # derived, TP-aware
+
+    # TransformerConfig fields with LLaMA-style defaults.
+    normalization: str = "RMSNorm"
+    layernorm_epsilon: float = 1e-5
+    add_bias_linear: bool = False
+    gated_linear_unit: bool = True
+    activation_func: Callable = F.silu
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    use_cpu_initialization: bool = True
+
+    def __post_init__(self):
+        self._validate()
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = llama_ffn_hidden_size(self.hidden_size)
+        if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
+            self.pipeline_dtype = self.params_dtype
+        super().__post_init__()
+        if self.ffn_hidden_size % self.tensor_model_parallel_size:
+            raise ValueError(f"ffn_hidden_size ({self.ffn_hidden_size}) must be divisible by "
+                             f"--tensor-model-parallel-size ({self.tensor_model_parallel_size})")
+        if self.kv_channels % 2:
+            raise ValueError(f"kv_channels ({self.kv_channels}, the head size) must be even for RoPE")
+        self.padded_vocab_size = pad_vocab_size(
+            self.vocab_size, self.make_vocab_size_divisible_by, self.tensor_model_parallel_size)
+
+    def _validate(self):
+        """Clear one-line errors naming the field, before TransformerConfig's own checks."""
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        if self.embedding not in EMBEDDING_KINDS:
+            raise ValueError(f"embedding: unknown embedding kind {self.embedding!r} "
+                             f"(expected one of {', '.join(EMBEDDING_KINDS)})")
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length",
+                     "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        heads = self.num_attention_heads
+        if heads % tp:
+            raise ValueError(f"num_attention_heads ({heads}) must be divisible by "
+                             f"--tensor-model-parallel-size ({tp})")
+        groups = heads if self.num_query_groups is None else self.num_query_groups
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or heads % groups:
+            raise ValueError(f"num_query_groups ({groups}, the kv heads) must divide "
+                             f"num_attention_heads ({heads})")
+        if groups % tp:
+            raise ValueError(f"num_query_groups ({groups}, the kv heads) must be divisible by "
+                             f"--tensor-model-parallel-size ({tp}): kv heads are split, not replicated")
+        if self.kv_channels is None and self.hidden_size % heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                             f"({heads}), or set kv_channels")
+        if self.num_layers < pp:
+            raise ValueError(f"num_layers ({self.num_layers}) must be at least "
+                             f"--pipeline-model-parallel-size ({pp}): every stage needs a layer")
+        if self.sequence_parallel:
+            raise ValueError("--sequence-parallel: not supported by megatron_lev.models yet (its "
+                             "norm-gradient reduction under DeepSpeed is not written or tested)")
+        if self.normalization != "RMSNorm" or not self.gated_linear_unit or self.add_bias_linear:
+            raise ValueError("normalization/gated_linear_unit/add_bias_linear: the Leviathan decoder is "
+                             "RMSNorm + SwiGLU without biases")
+        if self.fp16:
+            raise ValueError("fp16: not supported, use bf16")
+        if not isinstance(self.lev, dict):
+            raise ValueError(f"lev: must be a mapping of LEVConfig fields, got {self.lev!r}")
+        if self.embedding == "lev":
+            self.lev_config().validate(tp)
+
+    def lev_config(self) -> LEVConfig:
+        """The generator's config: the `lev:` fields plus the model's vocab and width."""
+        for key in ("vocab_size", "hidden_size"):
+            if key in self.lev:
+                raise ValueError(f"lev.{key}: set the model's {key}, not the generator's")
+        try:
+            return LEVConfig.from_dict({**self.lev, "vocab_size": self.vocab_size,
+                                        "hidden_size": self.hidden_size})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"lev: {exc}") from None
+
+    def to_dict(self) -> dict:
+        """The YAML `model:` section this config was built from (resolved)."""
+        out = {name: getattr(self, name) for name in MODEL_FIELDS}
+        if self.embedding == "lev":  # resolved generator fields, defaults included
+            out["lev"] = {k: v for k, v in self.lev_config().to_dict().items()
+                          if k not in ("vocab_size", "hidden_size")}
+        else:
+            out["lev"] = dict(self.lev)
+        return out
+
+
+# Fields of a YAML `model:` section (all LeviathanConfig / TransformerConfig names).
+MODEL_FIELDS = (
+    "embedding", "vocab_size", "make_vocab_size_divisible_by", "num_layers", "hidden_size",
+    "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "seq_length",
+    "rotary_base", "layernorm_epsilon", "init_method_std", "hidden_dropout", "attention_dropout",
+    "init_seed", "lev",
+)
+
+
+def model_config_from_dict(model_section: dict, *, tensor_model_parallel_size: int = 1,
+                           pipeline_model_parallel_size: int = 1, bf16: bool = False,
+                           sequence_parallel: bool = False, recompute=False,
+                           **overrides) -> LeviathanConfig:
+    """A LeviathanConfig from a YAML `model:` section plus the run's parallel/precision flags.
+
+    `recompute`: False, True or "full" (checkpoint every layer), "selective" (core attention
+    only), or a dict of megatron's recompute_{granularity,method,num_layers}.
+    `overrides` are model fields (e.g. init_seed=args.seed, num_layers=...) applied on top.
+    """
+    section = {**(model_section or {}), **overrides}
+    unknown = sorted(set(section) - set(MODEL_FIELDS))
+    if unknown:
+        raise ValueError(f"model.{unknown[0]}: unknown model field (known: {', '.join(MODEL_FIELDS)})")
+    section = {k: v for k, v in section.items() if v is not None}
+    section["lev"] = dict(section.get("lev") or {})
+    return LeviathanConfig(
+        **section,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        sequence_parallel=sequence_parallel,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        **_recompute_fields(recompute),
+    )
+
+
+def _recompute_fields(recompute) -> dict:
+    if recompute in (False, None):
+        return {}
+    if recompute is True or recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    if isinstance(recompute, dict):
+        return dict(recompute)
+    raise ValueError(f"recompute: expected a bool, 'full', 'selective' or a dict, got {recompute!r}")

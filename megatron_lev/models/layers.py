@@ -1,0 +1,199 @@
+"""The decoder's building blocks on megatron-core's tensor-parallel layers: initialisation
+that does not depend on the parallel layout, activation recomputation, RoPE, RMSNorm, the input
+side (LEV generator or vocab-parallel table), the linear layers and the vocab-parallel head.
+
+Initialisation does not depend on the parallel layout: every module draws its *full* weights
+from its own generator, seeded by `derive_seed(config.init_seed, <module name>)`, and keeps its
+tensor-parallel slice (`use_cpu_initialization=True`). So TP=1, TP=2 and any pipeline split
+built from one seed hold the same weights. Vocabulary padding rows are zero.
+"""
+from __future__ import annotations
+
+import contextlib
+import zlib
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+from megatron_lev.distributed.rng import get_rng_tracker
+from megatron_lev.lev.parallel import ParallelLEVEmbedding
+from megatron_lev.models.config import LeviathanConfig
+
+try:  # apex's fused RMSNorm kernel, used on CUDA when apex is installed
+    from apex.normalization.fused_layer_norm import fused_rms_norm_affine
+except Exception:  # pragma: no cover - depends on the cluster's image
+    fused_rms_norm_affine = None
+
+
+def derive_seed(seed: int, name: str) -> int:
+    """A stable per-module seed (crc32, not hash(): that is salted per process)."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+@contextlib.contextmanager
+def init_rng(seed: int, name: str):
+    """Draw a module's initial weights from its own seed, leaving the global CPU stream as it was.
+
+    This is what makes initialisation independent of TP and PP: a module's weights depend
+    only on (seed, its name), not on which modules this rank built before it.
+    """
+    state = torch.get_rng_state()
+    torch.default_generator.manual_seed(derive_seed(seed, name))
+    try:
+        yield
+    finally:
+        torch.set_rng_state(state)
+
+
+def _vocab_init(init_method: Callable, vocab_size: int) -> Callable:
+    """Initialise the real vocabulary rows as if there were no padding; padding rows are zero."""
+    def init(weight: torch.Tensor) -> None:
+        init_method(weight[:vocab_size])
+        with torch.no_grad():
+            weight[vocab_size:].zero_()
+    return init
+
+
+def checkpoint(function: Callable, *args):
+    """Activation recomputation: run `function(*args)` now without keeping its activations,
+    recompute them in backward. megatron-core's version on CUDA (it restores the CUDA and
+    model-parallel RNG streams); on CPU torch's non-reentrant one, plus a replay of the
+    model-parallel RNG tracker so dropout in TP regions draws the same masks on recompute."""
+    if args[0].is_cuda:
+        return tensor_parallel.checkpoint(function, False, *args)
+    tracker = get_rng_tracker()
+    forward_states = tracker.get_states()
+    calls = []
+
+    def run(*inputs):
+        if not calls:  # the forward
+            calls.append(1)
+            return function(*inputs)
+        current = tracker.get_states()  # the recomputation
+        tracker.set_states(forward_states)
+        try:
+            return function(*inputs)
+        finally:
+            tracker.set_states(current)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float):
+    """RoPE tables for positions [b, s]: cos, sin as float32 [s, b, 1, head_dim]
+    (halves layout, as Megatron's default and Hugging Face LLaMA)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=position_ids.device,
+                                            dtype=torch.float32) / head_dim))
+    angles = position_ids.t().to(torch.float32)[..., None] * inv_freq  # [s, b, dh/2]
+    angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [s, b, n, dh] rotated in float32, returned in x's dtype."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+def default_position_ids(input_ids: torch.Tensor) -> torch.Tensor:
+    b, s = input_ids.shape
+    return torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm with a learned scale; apex's fused kernel on CUDA when apex imports, else
+    torch's `F.rms_norm` (fused on CUDA in recent torch, plain ops on CPU)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_rms_norm_affine is not None and x.is_cuda:
+            return fused_rms_norm_affine(x, self.weight, self.weight.shape, self.eps)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class VocabEmbedding(VocabParallelEmbedding):
+    """The vocab-parallel token table: input_ids [b, s] -> [s, b, H], all-reduced over TP."""
+
+    def __init__(self, config: LeviathanConfig):
+        with init_rng(config.init_seed, "embedding"):
+            super().__init__(config.padded_vocab_size, config.hidden_size, config=config,
+                             init_method=_vocab_init(config.init_method, config.vocab_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids.t())  # look up [s, b]: no transpose of the output
+
+
+def lev_embedding_kwargs(config: LeviathanConfig) -> dict:
+    """How the LEV embedding is built (shared by the plain and the pipeline forms)."""
+    return {"config": config.lev_config(), "init_seed": derive_seed(config.init_seed, "embedding"),
+            "sequence_parallel": config.sequence_parallel, "params_dtype": config.params_dtype,
+            "transformer_config": config}
+
+
+def build_embedding(config: LeviathanConfig) -> torch.nn.Module:
+    """[b, s] ids -> [s, b, H] in params_dtype, all-reduced over TP: LEV or the vocab table."""
+    if config.embedding == "lev":
+        return ParallelLEVEmbedding(**lev_embedding_kwargs(config))
+    return VocabEmbedding(config)
+
+
+class _OneRankAsMatmul:
+    """For megatron-core's parallel linear layers: with one tensor-parallel rank (and neither
+    sequence parallelism nor fused weight-gradient accumulation) a layer is x @ W^T, so its
+    matmul runs as `F.linear` (torch's C++ autograd) rather than megatron-core's Python
+    autograd Function, whose backward costs about 0.2 ms a layer on CPU. The module is still
+    called as usual, so DeepSpeed's hooks (ZeRO-3's parameter gathering) run."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        config = self.config
+        self.one_rank_matmul = (parallel_state.get_tensor_model_parallel_world_size() == 1
+                                and not config.sequence_parallel and not self.gradient_accumulation_fusion
+                                and not config.defer_embedding_wgrad_compute)
+
+    def _forward_impl(self, input, weight, *args, bias=None, **kwargs):
+        if self.one_rank_matmul:
+            return F.linear(input, weight, bias)
+        return super()._forward_impl(input, weight, *args, bias=bias, **kwargs)
+
+
+class ColumnLinear(_OneRankAsMatmul, ColumnParallelLinear):
+    """megatron-core's ColumnParallelLinear (output dimension split over TP)."""
+
+
+class RowLinear(_OneRankAsMatmul, RowParallelLinear):
+    """megatron-core's RowParallelLinear (input dimension split over TP, output all-reduced)."""
+
+
+class OutputLayer(ColumnLinear):
+    """The vocab-parallel head: [s, b, H] -> logits [s, b, Vp/TP], padding columns at -inf.
+    Weightless when tied (the caller passes the embedding table)."""
+
+    def __init__(self, config: LeviathanConfig):
+        tied = config.embedding == "tied"
+        with init_rng(config.init_seed, "output_layer"):
+            super().__init__(config.hidden_size, config.padded_vocab_size, config=config,
+                             init_method=_vocab_init(config.init_method, config.vocab_size),
+                             bias=False, gather_output=False, skip_weight_param_allocation=tied)
+        self.vocab_size = config.vocab_size
+        self.vocab_start = parallel_state.get_tensor_model_parallel_rank() * self.output_size_per_partition
+
+    def forward(self, hidden: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        logits, _ = super().forward(hidden, weight)
+        first_pad = self.vocab_size - self.vocab_start  # local index of the first padding column
+        if first_pad < logits.shape[-1]:
+            # Outside autograd: recorded, the fill would cost a logits-sized copy of the gradient
+            # in backward (CopySlices). Nothing is lost: whatever consumes the logits gives a -inf
+            # column a zero gradient (the cross entropy's softmax is 0 there; gather_logits drops it).
+            with torch.no_grad():
+                logits[..., max(first_pad, 0):] = float("-inf")
+        return logits

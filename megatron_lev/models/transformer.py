@@ -1,0 +1,122 @@
+"""One decoder layer: pre-RMSNorm, RoPE self-attention (grouped-query optional) through
+`F.scaled_dot_product_attention(is_causal=True)`, and a SwiGLU MLP; no biases anywhere.
+`compile_decoder_layers` compiles each layer with torch.compile (torchtitan's per-block way)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+
+from megatron_lev.distributed.rng import get_rng_tracker
+from megatron_lev.models.config import LeviathanConfig
+from megatron_lev.models.layers import ColumnLinear, RMSNorm, RowLinear, apply_rotary, checkpoint, init_rng
+
+
+class SelfAttention(torch.nn.Module):
+    """Causal self-attention with RoPE and grouped-query attention; this rank's heads only."""
+
+    def __init__(self, config: LeviathanConfig):
+        super().__init__()
+        self.config = config
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.head_dim = config.kv_channels
+        self.num_heads = config.num_attention_heads // tp
+        self.num_groups = config.num_query_groups // tp
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.qkv = ColumnLinear(
+            config.hidden_size, (config.num_attention_heads + 2 * config.num_query_groups) * self.head_dim,
+            config=config, init_method=config.init_method, bias=False, gather_output=False)
+        self.out_proj = RowLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=False, input_is_parallel=True,
+            skip_bias_add=True)
+        self.recompute_core_attention = (config.recompute_granularity == "selective"
+                                         and "core_attn" in (config.recompute_modules or []))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        s, b, _ = x.shape
+        qkv, _ = self.qkv(x)
+        qkv = qkv.view(s, b, self.num_groups, self.heads_per_group + 2, self.head_dim)
+        # Views, no copies: RoPE runs once on the q and k heads together; `split`'s backward
+        # is one concatenation where slicing q, k and v apart costs three zero-fills + copies.
+        qk, v = qkv.split((self.heads_per_group + 1, 1), dim=3)
+        qk = apply_rotary(qk, cos.unsqueeze(2), sin.unsqueeze(2))  # [s, b, groups, hpg + 1, dh]
+        q = qk[:, :, :, :self.heads_per_group].reshape(s, b, self.num_heads, self.head_dim)  # a view at MHA
+        k, v = qk[:, :, :, -1], v.squeeze(3)  # [s, b, groups, dh]
+        if self.recompute_core_attention:
+            out = checkpoint(self.core_attention, q, k, v)
+        else:
+            out = self.core_attention(q, k, v)
+        out, _ = self.out_proj(out)
+        return out
+
+    def core_attention(self, q, k, v):
+        """[s, b, n, dh] q and [s, b, g, dh] k/v -> [s, b, n * dh]."""
+        s, b = q.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, dh]
+        p = self.config.attention_dropout if self.training else 0.0
+        # Dropout draws from the model-parallel stream: each TP rank holds different heads.
+        rng = get_rng_tracker().fork() if p > 0 else contextlib.nullcontext()
+        with rng:
+            # GQA inside the kernel (query head i uses kv head i // heads_per_group, our
+            # grouping): no repeat_interleave copies of k and v.
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                 enable_gqa=self.heads_per_group > 1)
+        return out.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+
+
+class SwiGLUMLP(torch.nn.Module):
+    """down(silu(gate(x)) * up(x)); gate and up fused in one column-parallel matmul."""
+
+    def __init__(self, config: LeviathanConfig):
+        super().__init__()
+        # stride=2: rank r's shard is [gate_r; up_r], so chunk(2) below works for any TP.
+        self.gate_up = ColumnLinear(
+            config.hidden_size, 2 * config.ffn_hidden_size, config=config, init_method=config.init_method,
+            bias=False, gather_output=False, stride=2)
+        self.down = RowLinear(
+            config.ffn_hidden_size, config.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=False, input_is_parallel=True,
+            skip_bias_add=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, _ = self.gate_up(x)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out, _ = self.down(F.silu(gate) * up)
+        return out
+
+
+class DecoderLayer(torch.nn.Module):
+    """x + attention(norm(x)), then + mlp(norm(x)). `layer_number` is 0-based."""
+
+    def __init__(self, config: LeviathanConfig, layer_number: int):
+        super().__init__()
+        self.config, self.layer_number = config, layer_number
+        with init_rng(config.init_seed, f"layers.{layer_number}"):
+            self.input_norm = RMSNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype)
+            self.attention = SelfAttention(config)
+            self.mlp_norm = RMSNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype)
+            self.mlp = SwiGLUMLP(config)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self._dropout(self.attention(self.input_norm(hidden), cos, sin))
+        return hidden + self._dropout(self.mlp(self.mlp_norm(hidden)))
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.config.hidden_dropout
+        # The residual stream is replicated over TP: the default stream (same seed on all TP
+        # ranks) gives every rank the same mask.
+        return F.dropout(x, p, training=True) if p > 0 and self.training else x
+
+
+def compile_decoder_layers(module: torch.nn.Module) -> int:
+    """torch.compile every DecoderLayer of `module` in place (torchtitan's per-block
+    compilation: one graph per layer, reused by all layers of the same shape; parameter
+    names unchanged). Inductor fuses RoPE, SwiGLU, RMSNorm and the residual adds into a
+    few kernels around the matmuls and attention. Returns how many layers it compiled."""
+    layers = [m for m in module.modules() if isinstance(m, DecoderLayer)]
+    for layer in layers:
+        layer.compile(dynamic=False)
+    return len(layers)
