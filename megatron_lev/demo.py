@@ -94,7 +94,8 @@ def run_validation_losses(run_dir: str) -> dict:
     """
     import torch
 
-    from megatron_lev.convert import find_checkpoint, load_full_state_dict, read_checkpoint
+    from megatron_lev.checkpointing.convert import find_checkpoint, read_checkpoint
+    from megatron_lev.checkpointing.layout import load_full_state_dict
     from megatron_lev.data.tokenizer import build_tokenizer
     from megatron_lev.models.decoder import LeviathanModel
     from megatron_lev.train import build_datasets
@@ -190,10 +191,11 @@ def generate(hf_dir: str, run_dir: str, prompts, max_new_tokens: int, sample_see
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_lev.convert import find_checkpoint, load_full_state_dict, read_checkpoint
+    from megatron_lev.checkpointing.convert import find_checkpoint, read_checkpoint
+    from megatron_lev.checkpointing.layout import load_full_state_dict
     from megatron_lev.data.tokenizer import build_tokenizer
+    from megatron_lev.hf.trust import hf_trust_remote_code
     from megatron_lev.models.decoder import LeviathanModel
-    from megatron_lev.safe_load import hf_trust_remote_code
 
     trust = hf_trust_remote_code(hf_dir, trust_remote_code)  # refuses code that is not ours
     hf_tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=trust)

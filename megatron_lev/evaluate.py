@@ -8,7 +8,7 @@
 Models (`--model NAME=PATH`, repeat to compare; all are scored on the same tokens):
   * a `megatron_lev.train --save` directory (its newest complete checkpoint) or one
     `iter_NNNNNNN` directory in it. Any TP / PP / ZeRO layout: the shards are merged into
-    one full state dict (megatron_lev.convert) and run as a TP=1 LeviathanModel.
+    one full state dict (megatron_lev.checkpointing.convert) and run as a TP=1 LeviathanModel.
   * a Hugging Face export (`tools/convert_to_hf.py`; any causal LM whose tokenizer is the
     data's). A folder's own Python code runs only when it is byte-identical to the LEV code
     this package ships, or with `--trust-remote-code` (docs/security.md).
@@ -92,7 +92,7 @@ def model_source(path: str, flag: str = "--model") -> tuple[str, str, Optional[i
     path = os.path.abspath(path.rstrip("/"))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{flag} {path}: no such directory")
-    from megatron_lev.checkpointing import CONFIG_FILE, LATEST, complete_checkpoints
+    from megatron_lev.checkpointing.catalog import CONFIG_FILE, LATEST, complete_checkpoints
 
     match = _TAG_DIR.match(os.path.basename(path))
     if match and os.path.isfile(os.path.join(path, CONFIG_FILE)):
@@ -109,7 +109,8 @@ def load_model(name: str, path: str, device: torch.device, bf16: bool = False,
                trust_remote_code: bool = False) -> LoadedModel:
     kind, load_dir, iteration = model_source(path, f"--model {name}=")
     if kind == "checkpoint":
-        from megatron_lev.convert import load_checkpoint_full, load_full_state_dict
+        from megatron_lev.checkpointing.convert import load_checkpoint_full
+        from megatron_lev.checkpointing.layout import load_full_state_dict
         from megatron_lev.models.decoder import LeviathanModel
         from megatron_lev.models.param_count import count_parameters
 
@@ -126,7 +127,7 @@ def load_model(name: str, path: str, device: torch.device, bf16: bool = False,
         return LoadedModel(name, kind, path, module.to(device).eval(), config.vocab_size, info, ckpt.config)
     from transformers import AutoModelForCausalLM
 
-    from megatron_lev.safe_load import hf_trust_remote_code
+    from megatron_lev.hf.trust import hf_trust_remote_code
 
     trust = hf_trust_remote_code(load_dir, trust_remote_code)  # refuses code that is not ours
     module = AutoModelForCausalLM.from_pretrained(load_dir, trust_remote_code=trust,

@@ -16,7 +16,7 @@ What a run does, in order:
    schedule (optim.py); DeepSpeed owns clipping (its grad norm counts replicated
    parameters once over TP and sums shards over TP/PP/DP) and skips steps whose
    gradient norm is not finite;
-4. resume from `--load` (checkpointing.py) and train, logging every --log-interval,
+4. resume from `--load` (megatron_lev/checkpointing/) and train, logging every --log-interval,
    evaluating every --eval-interval, checkpointing every --save-interval, on
    SIGTERM/SIGUSR1, at --exit-interval / --exit-duration-in-mins, and at the end.
 
@@ -41,9 +41,11 @@ import torch.distributed as dist
 
 from megatron_lev.arguments import (derive_vocab_size, effective_config, format_config, parse_args, summarize_config,
                                     validate_args)
-from megatron_lev.checkpointing import (UNIVERSAL, check_layout_change, check_resume_compatible, layout_changes,
-                                        load_checkpoint, read_checkpoint_config, save_checkpoint, select_checkpoint,
-                                        select_readable_checkpoint, write_run_config)
+from megatron_lev.checkpointing.catalog import read_checkpoint_config, select_checkpoint, select_readable_checkpoint
+from megatron_lev.checkpointing.load import load_checkpoint
+from megatron_lev.checkpointing.safe_load import CheckpointLoadError
+from megatron_lev.checkpointing.save import save_checkpoint, write_run_config
+from megatron_lev.checkpointing.universal import UNIVERSAL, layout_changes, zero_stage
 from megatron_lev.distributed.launch import default_device, detect_launch_env, init_distributed
 from megatron_lev.distributed.rng import set_seed
 from megatron_lev.distributed.state import (DeepSpeedMPU, destroy_parallel, initialize_model_parallel, is_rank_0,
@@ -52,7 +54,6 @@ from megatron_lev.ds_config import build_deepspeed_config, offloads_optimizer
 from megatron_lev.flops import FlopsModel, peak_flops_per_device, training_flops
 from megatron_lev.metrics import MetricsWriter
 from megatron_lev.optim import build_lr_scheduler, build_optimizer, schedule_mismatch
-from megatron_lev.safe_load import CheckpointLoadError
 from megatron_lev.utils.errors import ConfigError
 
 EXIT_OK, EXIT_SKIPPED_STEPS, EXIT_CONFIG = 0, 1, 2
@@ -203,6 +204,36 @@ def check_resume_schedule(args, saved: dict, config: dict) -> None:
         raise ConfigError(f"--load {args.load}: the LR schedule differs from the checkpoint's ({'; '.join(changed)}; "
                           f"in samples): add --override-opt_param-scheduler to use the new one or "
                           f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+
+
+# Model fields that only matter before the first step (the weights come from the checkpoint).
+_INIT_ONLY_KEYS = ("init_seed", "init_method_std")
+
+
+def check_resume_compatible(ckpt_dir: str, tag: str, config: dict) -> None:
+    """Refuse a checkpoint whose model differs from this run's, naming every differing
+    field. `config` is `arguments.effective_config(...)`. A different parallel layout is
+    no reason to refuse (`layout_changes`)."""
+    saved = read_checkpoint_config(ckpt_dir, tag)
+    saved_model, model = saved.get("model", {}), config["model"]
+    diffs = [f"{key}: {saved_model.get(key, '<unset>')!r} in the checkpoint, {model.get(key, '<unset>')!r} now"
+             for key in sorted(set(saved_model) | set(model))
+             if key not in _INIT_ONLY_KEYS and saved_model.get(key) != model.get(key)]
+    if diffs:
+        raise ConfigError(f"--load {ckpt_dir}: checkpoint {tag} was saved with a different model config ("
+                          + "; ".join(diffs) + "); resume with the checkpoint's settings or use a new --save "
+                          "directory")
+
+
+def check_layout_change(ckpt_dir: str, tag: str, config: dict, changes: list[str]) -> None:
+    """Refuse the layout changes a universal checkpoint cannot make, saying what to do."""
+    then, now = zero_stage(read_checkpoint_config(ckpt_dir, tag)), zero_stage(config)
+    if (then == 3) != (now == 3):
+        # DeepSpeed names ZeRO-3 model files per data-parallel rank (zero_pp_rank_*), the
+        # others per model-parallel rank; its universal loader only finds its own kind.
+        raise ConfigError(f"--load {ckpt_dir}: checkpoint {tag} was saved under ZeRO stage {then} and this run "
+                          f"uses stage {now} ({'; '.join(changes)}): DeepSpeed's universal checkpoint does not "
+                          f"convert between ZeRO-3 and stages 1/2; resume with --zero-stage {then}")
 
 
 # --------------------------------------------------------------------------- model and engine

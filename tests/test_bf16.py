@@ -11,9 +11,9 @@ import shutil
 import pytest
 import torch
 
-from megatron_lev.checkpointing import (COMPLETE_MARKER, UNIVERSAL, UNIVERSAL_INFO_KEY, checkpoint_tag,
-                                        convert_to_universal)
-from megatron_lev.safe_load import safe_torch_load
+from megatron_lev.checkpointing.catalog import COMPLETE_MARKER, checkpoint_tag
+from megatron_lev.checkpointing.safe_load import safe_torch_load
+from megatron_lev.checkpointing.universal import UNIVERSAL, UNIVERSAL_INFO_KEY, convert_to_universal
 from megatron_lev.utils.errors import ConfigError
 from tests.distributed import run_distributed
 from tests.test_train import TRAIN_ITERS, _main_error, read_metrics, train_flags, train_records

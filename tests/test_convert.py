@@ -20,8 +20,8 @@ import sys
 import pytest
 import torch
 
-from megatron_lev.checkpointing import COMPLETE_MARKER
-from megatron_lev.safe_load import hf_trust_remote_code
+from megatron_lev.checkpointing.catalog import COMPLETE_MARKER
+from megatron_lev.hf.trust import hf_trust_remote_code
 from tests.distributed import run_distributed
 from tests.fixtures import assert_release_modes
 
@@ -65,7 +65,8 @@ def _train_then_reference(rank, world_size, runs: dict, raw_tp2: list, prompt: t
     """
     from megatron.core import parallel_state
 
-    from megatron_lev.convert import find_checkpoint, load_checkpoint_full, load_full_state_dict
+    from megatron_lev.checkpointing.convert import find_checkpoint, load_checkpoint_full
+    from megatron_lev.checkpointing.layout import load_full_state_dict
     from megatron_lev.distributed.launch import init_distributed
     from megatron_lev.distributed.state import initialize_model_parallel
     from megatron_lev.models.decoder import LeviathanModel, gather_logits
@@ -320,7 +321,7 @@ def test_export_metadata_and_model_card(exports, checkpoints):
     4.x and 5.x know; README.md the model card with the run's numbers."""
     import yaml
 
-    from megatron_lev.convert import find_checkpoint
+    from megatron_lev.checkpointing.convert import find_checkpoint
 
     info = find_checkpoint(checkpoints["lev_tp2"])
     for name, dtype in (("lev_tp2", "float32"), ("lev_tp2_bf16", "bfloat16"), ("tied_tp2", "float32")):
@@ -367,7 +368,7 @@ def test_export_import_at_other_tp_export_is_identical(checkpoints, exports, tmp
     resumes from the imported checkpoint (lr 0, so the weights must come back unchanged)."""
     from safetensors.torch import load_file
 
-    from megatron_lev.convert import find_checkpoint
+    from megatron_lev.checkpointing.convert import find_checkpoint
     from megatron_lev.hf.cli import convert_from_hf_main, convert_to_hf_main
 
     imported = str(tmp_path / "imported_tp1")
@@ -400,7 +401,7 @@ def test_export_import_at_other_tp_export_is_identical(checkpoints, exports, tmp
 def test_tied_import_into_pipeline_round_trips(exports, tmp_path):
     """tied TP=2 -> HF -> checkpoint at PP=2 (pipeline layer files, tied module) -> HF: identical.
     The import, written under umask 077, is readable by group and others."""
-    from megatron_lev.convert import find_checkpoint
+    from megatron_lev.checkpointing.convert import find_checkpoint
     from megatron_lev.hf.cli import convert_from_hf_main, convert_to_hf_main
 
     imported = str(tmp_path / "imported_pp2")
@@ -427,7 +428,7 @@ def _copy(src: str, dst) -> str:
 
 
 def _tag_dir(ckpt: str) -> str:
-    from megatron_lev.convert import find_checkpoint
+    from megatron_lev.checkpointing.convert import find_checkpoint
 
     return find_checkpoint(ckpt).path
 

@@ -280,7 +280,8 @@ def _valid_samples(tiny_dataset, spm_tokenizer, count: int) -> dict:
 
 def _direct_loss(rank, world_size, load_dir: str, batch: dict) -> float:
     """Our model's own masked-mean loss (forward with labels) on `batch`, TP=1, merged checkpoint."""
-    from megatron_lev.convert import load_checkpoint_full, load_full_state_dict
+    from megatron_lev.checkpointing.convert import load_checkpoint_full
+    from megatron_lev.checkpointing.layout import load_full_state_dict
     from megatron_lev.distributed.state import initialize_model_parallel
     from megatron_lev.models.decoder import LeviathanModel
 

@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 
-from megatron_lev.checkpointing import COMPLETE_MARKER, find_latest, read_checkpoint_config
+from megatron_lev.checkpointing.catalog import COMPLETE_MARKER, find_latest, read_checkpoint_config
 from tests.distributed import run_distributed
 from tests.test_train import _main_error, read_metrics, train_flags, train_records
 

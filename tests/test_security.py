@@ -40,7 +40,7 @@ def write_hostile_checkpoint_file(path: str, marker: str) -> None:
     """A torch.save file shaped like DeepSpeed's (a dict with 'module'), with a hostile pickle.
     In a checkpoint folder, complete.json's size list is updated too (an attacker ships both)."""
     torch.save({"module": _Hostile(marker), "iteration": 1}, path)
-    from megatron_lev.checkpointing import COMPLETE_MARKER
+    from megatron_lev.checkpointing.catalog import COMPLETE_MARKER
 
     complete = os.path.join(os.path.dirname(path), COMPLETE_MARKER)
     if os.path.isfile(complete):
@@ -63,8 +63,8 @@ def _train_then_load_hostile(rank, world_size, train_argv, load_argv, save, host
     the share of files rank 1 checks; every rank then runs `--load` of the copy."""
     import torch.distributed as dist
 
-    from megatron_lev.checkpointing import find_latest
-    from megatron_lev.safe_load import checkpoint_files
+    from megatron_lev.checkpointing.catalog import find_latest
+    from megatron_lev.checkpointing.safe_load import checkpoint_files
     from megatron_lev.train import main
 
     trained = main(train_argv)  # keeps the process group it found (tests/distributed.py's)
@@ -100,8 +100,8 @@ def runs(tmp_path_factory, tiny_dataset, spm_tokenizer) -> dict:
 def test_hostile_pickle_is_refused_and_our_files_load(runs, tmp_path):
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    from megatron_lev.safe_load import (UnsafeCheckpointError, check_checkpoint_files, safe_torch_load,
-                                        use_safe_checkpoint_engine)
+    from megatron_lev.checkpointing.safe_load import (UnsafeCheckpointError, check_checkpoint_files, safe_torch_load,
+                                                      use_safe_checkpoint_engine)
 
     path, marker = str(tmp_path / "mp_rank_00_model_states.pt"), str(tmp_path / "marker")
     write_hostile_checkpoint_file(path, marker)
@@ -199,7 +199,7 @@ def test_hf_folder_code_runs_only_when_ours_or_trusted(runs, lev_export, tmp_pat
     """The genuine export evaluates without any flag, with the checkpoint's loss; a copy whose
     modeling_lev.py differs is refused naming the file, and runs only with --trust-remote-code."""
     from megatron_lev import evaluate
-    from megatron_lev.safe_load import hf_trust_remote_code
+    from megatron_lev.hf.trust import hf_trust_remote_code
 
     common = ["--model", f"ckpt={runs['save']}", "--eval-tokens", str(2 * SEQ), "--device", "cpu"]
     result = evaluate.main(["--model", f"hf={lev_export}", *common, "--output-dir", str(tmp_path / "genuine")])

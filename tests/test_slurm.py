@@ -433,7 +433,7 @@ def two_node_job(tmp_path_factory, tiny_dataset, spm_tokenizer):
     step, exit 0, `scontrol requeue`; the requeued job (same id, SLURM_RESTART_COUNT=1)
     resumes from that checkpoint on the same two nodes; SIGTERM then stops it with a
     checkpoint and no requeue. Returns what the tests check."""
-    from megatron_lev.checkpointing import find_latest
+    from megatron_lev.checkpointing.catalog import find_latest
 
     tmp_path = tmp_path_factory.mktemp("two_node_job")
     port = _free_port_below(60000)

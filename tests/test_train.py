@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from megatron_lev.checkpointing import (COMPLETE_MARKER, CONFIG_FILE, checkpoint_file_sizes, checkpoint_tag,
-                                        complete_checkpoints, find_latest, is_complete)
+from megatron_lev.checkpointing.catalog import (COMPLETE_MARKER, CONFIG_FILE, checkpoint_file_sizes, checkpoint_tag,
+                                                complete_checkpoints, find_latest, is_complete)
 from tests.distributed import free_port, run_distributed
 
 TRAIN_ITERS = 30

@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from megatron_lev.arguments import effective_config, parse_args, validate_args
-from megatron_lev.checkpointing import (COMPLETE_MARKER, CONFIG_FILE, check_resume_compatible, checkpoint_tag,
-                                        find_latest, layout_changes, prune_checkpoints)
+from megatron_lev.checkpointing.catalog import COMPLETE_MARKER, CONFIG_FILE, checkpoint_tag, find_latest
+from megatron_lev.checkpointing.save import prune_checkpoints
+from megatron_lev.checkpointing.universal import layout_changes
 from megatron_lev.ds_config import build_deepspeed_config
 from megatron_lev.flops import FlopsModel, peak_flops_per_device, training_flops
 from megatron_lev.optim import param_groups, uses_weight_decay
+from megatron_lev.train import check_resume_compatible
 from megatron_lev.utils.errors import ConfigError
 
 DATA = ["--data-path", "/nonexistent/prefix", "--tokenizer-type", "SentencePieceTokenizer",

@@ -155,7 +155,7 @@ def evaluate_model(path: str, tasks, task_manager, local: dict[str, str], *, bat
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--model {path}: not an HF export directory")
-    from megatron_lev.safe_load import hf_trust_remote_code
+    from megatron_lev.hf.trust import hf_trust_remote_code
 
     model_args = {"pretrained": path, "trust_remote_code": hf_trust_remote_code(path, trust_remote_code),
                   "dtype": dtype}

@@ -2,7 +2,7 @@
 and tools/convert_from_hf.py).
 
 Export (`export_checkpoint`): a checkpoint of any TP / PP / ZeRO layout is merged into one
-full state dict (megatron_lev.convert), renamed to transformers' LLaMA names and written as
+full state dict (megatron_lev.checkpointing.convert), renamed to transformers' LLaMA names and written as
 
     config.json  generation_config.json  model.safetensors (or shards + index)  README.md
     tokenizer.json  tokenizer_config.json  [tokenizer.model]
@@ -46,19 +46,11 @@ from typing import Optional
 import torch
 import yaml
 
-from megatron_lev.convert import LEV_PREFIX, expected_parameter_names
+from megatron_lev.checkpointing.layout import LEV_PREFIX, expected_parameter_names
+from megatron_lev.hf.trust import LEV_AUTO_MAP, REMOTE_CODE_FILES
 from megatron_lev.models.config import LeviathanConfig, model_config_from_dict
 from megatron_lev.utils.errors import CheckpointError
 
-HF_DIR = os.path.dirname(os.path.abspath(__file__))
-LEV_SOURCE = os.path.join(os.path.dirname(HF_DIR), "lev", "generator.py")  # exported as lev.py
-REMOTE_CODE_FILES = {  # file written into the export -> its source in this package
-    "configuration_lev.py": os.path.join(HF_DIR, "configuration_lev.py"),
-    "modeling_lev.py": os.path.join(HF_DIR, "modeling_lev.py"),
-    "lev.py": LEV_SOURCE,
-}
-LEV_AUTO_MAP = {"AutoConfig": "configuration_lev.LevConfig", "AutoModel": "modeling_lev.LevModel",
-                "AutoModelForCausalLM": "modeling_lev.LevForCausalLM"}
 HF_LEV_PREFIX = "model.embed_tokens.generator."
 # The resolved YAML `model:` section, kept in config.json so an import restores it exactly.
 MODEL_SECTION_KEY = "megatron_lev_model"
@@ -110,7 +102,7 @@ def materialize_lev_table(full: dict[str, torch.Tensor], cfg: LeviathanConfig, c
 
 
 def to_hf_state_dict(full: dict[str, torch.Tensor], cfg: LeviathanConfig, materialize: bool = False) -> dict[str, torch.Tensor]:
-    """A full state dict (convert.py) in transformers' LLaMA / LevForCausalLM names."""
+    """A full state dict (checkpointing/layout.py) in transformers' LLaMA / LevForCausalLM names."""
     out = {}
     if cfg.embedding == "lev":
         if materialize:
@@ -527,7 +519,7 @@ def export_checkpoint(load_dir: str, output: str, iteration: Optional[int] = Non
 
     The tokenizer defaults to the one the checkpoint's run trained with.
     """
-    from megatron_lev.convert import find_checkpoint, read_checkpoint
+    from megatron_lev.checkpointing.convert import find_checkpoint, read_checkpoint
 
     if dtype is not None and dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")

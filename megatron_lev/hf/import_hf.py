@@ -99,7 +99,7 @@ def _import_rank(rank: int, world: int, port: int, full_path: str, args: argpars
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
                        "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    from megatron_lev.checkpointing import save_checkpoint
+    from megatron_lev.checkpointing.save import save_checkpoint
     from megatron_lev.distributed.launch import init_distributed
     from megatron_lev.distributed.rng import set_seed
     from megatron_lev.distributed.state import destroy_parallel, initialize_model_parallel
@@ -108,10 +108,10 @@ def _import_rank(rank: int, world: int, port: int, full_path: str, args: argpars
         from megatron.core import parallel_state
 
         from megatron_lev.arguments import effective_config
-        from megatron_lev.convert import load_full_state_dict
+        from megatron_lev.checkpointing.layout import load_full_state_dict
+        from megatron_lev.checkpointing.safe_load import safe_torch_load
         from megatron_lev.ds_config import build_deepspeed_config
         from megatron_lev.models.pipeline import pipeline_to_model_key
-        from megatron_lev.safe_load import safe_torch_load
         from megatron_lev.train import TrainState, build_engine, build_model_config
 
         init_distributed(backend="gloo")
