@@ -28,7 +28,7 @@ lev-200m recipe at GPT-3 Small's shape (12 x 768, 12 heads, SwiGLU 2048: 125 M p
 with LEV, 124 M tied); `1.2b` is lev-1.2b (for GPUs).
 
 Output: one JSON object; per size, per kind the median/min step time, tokens/s, model
-TFLOP/s (megatron_lev.flops, the trainer's formula), MFU when a peak is known, and on
+TFLOP/s (megatron_lev.training.flops, the trainer's formula), MFU when a peak is known, and on
 CUDA the memory; and the ratios `lev_over_tied` / `untied_over_tied` / `tied_over_plain` of the median step
 times (>1: slower). On a shared machine wall time is noisy: `ratios_of_fastest_step`
 and, on CPU, `ratios_of_cpu_time` (process CPU seconds per step) are less disturbed by other
@@ -211,10 +211,12 @@ class PlainLlamaEngine:
 
 
 def build_run(size: Size, kind: str, bf16: bool, num_layers: Optional[int] = None) -> Run:
-    from megatron_lev.arguments import parse_args, validate_args
-    from megatron_lev.ds_config import build_deepspeed_config
     from megatron_lev.models.param_count import count_parameters
-    from megatron_lev.train import build_engine, build_model_config, flops_model
+    from megatron_lev.training.arguments import parse_args, validate_args
+    from megatron_lev.training.ds_config import build_deepspeed_config
+    from megatron_lev.training.engine import build_engine
+    from megatron_lev.training.flops import flops_model
+    from megatron_lev.training.validation import build_model_config
 
     plain = kind == "plain"
     args = validate_args(parse_args(trainer_argv(size, "tied" if plain else kind, bf16, num_layers)), world_size=1)
@@ -241,7 +243,7 @@ def _cuda_allocated_gb() -> Optional[float]:
 def train_steps(run: Run, batches: list[dict], start: int, steps: int) -> None:
     """`steps` timed optimizer steps (one micro-batch each) on batches[start:], as the
     trainer's train_step does them."""
-    from megatron_lev.train import model_inputs
+    from megatron_lev.training.batches import model_inputs
 
     engine = run.engine
     engine.train()
@@ -266,7 +268,7 @@ def train_steps(run: Run, batches: list[dict], start: int, steps: int) -> None:
 
 
 def summarize(run: Run, size: Size, peak_flops: Optional[float]) -> dict:
-    from megatron_lev.flops import training_flops
+    from megatron_lev.training.flops import training_flops
 
     tokens = size.micro_batch_size * size.seq_length
     median = statistics.median(run.step_times)
@@ -397,7 +399,7 @@ def start_process_group(device: torch.device) -> None:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
-    from megatron_lev.flops import peak_flops_per_device
+    from megatron_lev.training.flops import peak_flops_per_device
 
     if args.threads:
         torch.set_num_threads(args.threads)

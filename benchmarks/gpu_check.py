@@ -36,7 +36,7 @@ ATTEMPTS = ((None, 16), (None, 8), (11, 8))
 TINY_ATTEMPTS = ((None, 4),)
 
 # Dense bf16 tensor-core peaks (NVIDIA data sheets, TFLOP/s without sparsity) by the variant
-# in the device name; the trainer's --gpu-type peaks (megatron_lev.flops) are the SXM ones.
+# in the device name; the trainer's --gpu-type peaks (megatron_lev.training.flops) are the SXM ones.
 GPU_VARIANTS = (  # (substring of the lower-cased name, gpu type, variant, peak TFLOP/s)
     ("h200 nvl", "h200", "h200-nvl", 835.0),
     ("gh200", "h200", "gh200", 989.0),

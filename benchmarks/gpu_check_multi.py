@@ -191,9 +191,10 @@ def slurm_train_argv(script: str, gpus: int, gpu_type: str, config: str | None =
 
 def build_trainer_engine(argv: list[str], world_size: int, overrides: dict | None = None):
     """(args, model_config, engine) exactly as megatron_lev.train builds them."""
-    from megatron_lev.arguments import parse_args, validate_args
-    from megatron_lev.ds_config import build_deepspeed_config
-    from megatron_lev.train import build_engine, build_model_config
+    from megatron_lev.training.arguments import parse_args, validate_args
+    from megatron_lev.training.ds_config import build_deepspeed_config
+    from megatron_lev.training.engine import build_engine
+    from megatron_lev.training.validation import build_model_config
 
     for flag, value in (overrides or {}).items():
         argv = [*argv, flag] + ([str(value)] if value != "" else [])
@@ -205,7 +206,7 @@ def build_trainer_engine(argv: list[str], world_size: int, overrides: dict | Non
 def optimizer_step(engine, batches: list[dict]) -> torch.Tensor:
     """One optimizer step over `batches` (its micro-batches, accumulated), as the trainer's
     train_step runs it; returns the mean micro-batch loss."""
-    from megatron_lev.train import model_inputs
+    from megatron_lev.training.batches import model_inputs
 
     losses = []
     for b in batches:
@@ -286,8 +287,7 @@ def data_parallel_check(reference: dict, tiny: bool, device) -> dict:
 def throughput_check(tiny: bool, gpu: dict, device, steps: int) -> dict:
     """lev-1.2b and tied-1.2b as the Slurm scripts run them on this node (data-parallel over
     every process of the job), one after the other: step time, tokens/s, MFU, memory."""
-    from megatron_lev.flops import training_flops
-    from megatron_lev.train import flops_model
+    from megatron_lev.training.flops import flops_model, training_flops
 
     world, rank = dist.get_world_size(), dist.get_rank()
     peak = gpu["peak_tflops"] * 1e12 if gpu["peak_tflops"] else None

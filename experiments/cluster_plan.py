@@ -1,6 +1,6 @@
 """The cluster recipe of experiments/run.sh: the papers' two comparisons at 125M and 1.2B on
 The Pile, at the papers' 200,064-entry vocabulary, 3 seeds each. Prints the expected
-GPU-hours of every run from the FLOPs model (megatron_lev.flops, the trainer's own
+GPU-hours of every run from the FLOPs model (megatron_lev.training.flops, the trainer's own
 formula) and the `sbatch` lines, evaluation and seed-summary commands that run it.
 
     python experiments/cluster_plan.py                        # H100, 40% MFU (assumed)
@@ -31,10 +31,9 @@ SEEDS = (1, 2, 3)
 def run_cost(config_name: str, gpu_type: str, mfu: float) -> dict:
     """Parameters, tokens, training FLOPs and GPU-hours of one packaged config's run."""
     from megatron_lev.configs import load_config
-    from megatron_lev.flops import peak_flops_per_device, training_flops
     from megatron_lev.models.config import model_config_from_dict
     from megatron_lev.models.param_count import count_parameters
-    from megatron_lev.train import flops_model
+    from megatron_lev.training.flops import flops_model, peak_flops_per_device, training_flops
 
     config = load_config(config_name)
     model = model_config_from_dict(config["model"])
@@ -97,7 +96,7 @@ def markdown(rows: list[dict], gpu_type: str, mfu: float) -> str:
 
 
 def main(argv=None) -> int:
-    from megatron_lev.flops import PEAK_TFLOPS
+    from megatron_lev.training.flops import PEAK_TFLOPS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpu-type", choices=sorted(PEAK_TFLOPS), default="h100")

@@ -15,7 +15,7 @@ from __future__ import annotations
 def train() -> int:
     import sys
 
-    from megatron_lev.arguments import build_parser
+    from megatron_lev.training.arguments import build_parser
 
     # --help and a mistyped flag answer before torch and DeepSpeed are imported.
     build_parser().parse_known_args(sys.argv[1:])

@@ -98,7 +98,7 @@ def run_validation_losses(run_dir: str) -> dict:
     from megatron_lev.checkpointing.layout import load_full_state_dict
     from megatron_lev.data.tokenizer import build_tokenizer
     from megatron_lev.models.decoder import LeviathanModel
-    from megatron_lev.train import build_datasets
+    from megatron_lev.training.batches import build_datasets
 
     info = find_checkpoint(run_dir)
     training = info.config["training"]
@@ -112,7 +112,7 @@ def run_validation_losses(run_dir: str) -> dict:
     micro_per_eval = args.eval_iters * (args.global_batch_size // args.micro_batch_size)
 
     def loss_of(model) -> float:
-        from megatron_lev.train import micro_batches
+        from megatron_lev.training.batches import micro_batches
 
         batches = micro_batches(valid, 0, args, device)
         model.eval()

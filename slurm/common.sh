@@ -463,7 +463,7 @@ launch_training() {
         fi
     } | tee -a "$JOB_LOG_DIR/launch.log"
 
-    # "training done: ..." is the trainer's last line (megatron_lev/train.py).
+    # "training done: ..." is the trainer's last line (megatron_lev/training/trainer.py).
     if ((TERMINATED == 1)); then
         # Stopped on request: a clean stop (a new checkpoint) ends the job successfully.
         log "not requeueing after SIGTERM" | tee -a "$JOB_LOG_DIR/launch.log"

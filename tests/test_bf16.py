@@ -48,11 +48,12 @@ def bf16_gradients(rank, world_size, argv, communication_data_type):
     `communication_data_type`. Collective; returns {name: full fp32 gradient}."""
     from deepspeed.utils import safe_get_full_grad
 
-    from megatron_lev.arguments import parse_args, validate_args
     from megatron_lev.distributed.rng import set_seed
     from megatron_lev.distributed.state import initialize_model_parallel
-    from megatron_lev.ds_config import build_deepspeed_config
-    from megatron_lev.train import build_engine, build_model_config
+    from megatron_lev.training.arguments import parse_args, validate_args
+    from megatron_lev.training.ds_config import build_deepspeed_config
+    from megatron_lev.training.engine import build_engine
+    from megatron_lev.training.validation import build_model_config
 
     args = validate_args(parse_args(argv), world_size)
     ds_config = build_deepspeed_config(args)

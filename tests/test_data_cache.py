@@ -84,7 +84,7 @@ def test_cache_is_keyed_on_the_data_and_a_read_only_data_folder_works(tmp_path, 
 
 
 def test_data_cache_path_defaults_under_save(tmp_path):
-    from megatron_lev.arguments import parse_args, validate_args
+    from megatron_lev.training.arguments import parse_args, validate_args
 
     base = ["--config", "tiny-lev", "--data-path", "x", "--tokenizer-type", "SentencePieceTokenizer",
             "--tokenizer-model", "t", "--train-iters", "10"]

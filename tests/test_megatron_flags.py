@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from megatron_lev.arguments import parse_args, validate_args
-from megatron_lev.megatron_flags import flag_table
+from megatron_lev.flag_table import flag_table
+from megatron_lev.training.arguments import parse_args, validate_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,7 +56,7 @@ def test_pretrain_gpt_command_line(capsys):
     assert args.model["init_method_std"] == 0.006 and args.model["make_vocab_size_divisible_by"] == 64
     assert args.eod_mask_loss and args.reset_position_ids and args.log_throughput and args.bf16
     assert args.deepspeed_config == "zero2" and args.distributed_timeout_minutes == 30 and args.seed == 42
-    from megatron_lev.train import build_model_config
+    from megatron_lev.training.validation import build_model_config
 
     config = build_model_config(args)
     assert config.init_method_std == 0.006 and config.padded_vocab_size == 1024  # 1000 -> multiple of 64 x TP 2
@@ -90,6 +90,7 @@ def test_preprocess_data_command_line(tmp_path, spm_tokenizer, capsys):
     """Megatron-LM's tools/preprocess_data.py flags (with its --partitions/--keep-newlines)
     produce the dataset; --split-sentences is refused in one line."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
+
     from megatron_lev.data.preprocess import main
     from megatron_lev.data.tokenizer import build_tokenizer
 
@@ -124,7 +125,7 @@ def test_docs_table_is_the_parsers():
     with open(os.path.join(REPO, "docs", "training.md"), encoding="utf-8") as f:
         page = f.read()
     table = flag_table()
-    assert table in page, "regenerate it: python -m megatron_lev.megatron_flags docs/training.md"
+    assert table in page, "regenerate it: python -m megatron_lev.flag_table docs/training.md"
     counts = [int(n) for n in re.match(r"(\d+) supported, (\d+) ignored with a warning, (\d+) refused", table).groups()]
     rows = [line for line in table.splitlines() if line.startswith("| pretrain_gpt.py") or
             line.startswith("| preprocess_data.py")]

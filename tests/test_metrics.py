@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from megatron_lev.metrics import MetricsWriter
+from megatron_lev.training.metrics import MetricsWriter
 
 TRAIN = {"iteration": 10, "consumed_samples": 80, "consumed_tokens": 5120, "global_batch_size": 8, "loss": 6.5,
          "lr": 1e-3, "grad_norm": 1.25, "step_time_s": 0.5, "tokens_per_s": 1024.0, "mfu": None, "skipped_steps": 0}

@@ -51,7 +51,7 @@ def test_wheel_installs_commands_configs_and_preprocesses(tmp_path, spm_tokenize
     work.mkdir()
     found = json.loads(_run([str(py), "-c", (
         "import json, megatron_lev; from megatron_lev.configs import config_path; "
-        "from megatron_lev.ds_config import resolve_deepspeed_config as r; "
+        "from megatron_lev.training.ds_config import resolve_deepspeed_config as r; "
         "print(json.dumps({'package': megatron_lev.__file__, 'config': str(config_path('lev-1.2b')), "
         "'zero3': str(r(None, 3)), 'by_path': str(r('deepspeed_configs/zero2.json', None))}))")], work, env))
     for key, path in found.items():

@@ -16,7 +16,7 @@ from megatron_lev.models.config import model_config_from_dict
 from megatron_lev.models.cross_entropy import language_model_loss
 from megatron_lev.models.decoder import LeviathanModel
 from megatron_lev.models.transformer import compile_decoder_layers
-from megatron_lev.optim import build_optimizer
+from megatron_lev.training.optim import build_optimizer
 from tests.test_model import single_rank  # noqa: F401  (fixture: one in-process rank)
 
 

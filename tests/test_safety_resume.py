@@ -183,7 +183,7 @@ def test_resume_tokenizer_refused_and_data_path_warned(safety_runs, capsys):
     import argparse
     import copy
 
-    from megatron_lev.train import check_resume_run
+    from megatron_lev.training.validation import check_resume_run
     from megatron_lev.utils.errors import ConfigError
 
     work, _ = safety_runs

@@ -162,7 +162,7 @@ def test_batch_arithmetic_for_every_node_count(tmp_path, fake_inputs):
     512 / DP sequences of each rank, and the trainer's own validation accepts the command
     with the same accumulation. 3 nodes (DP=24) cannot split 512: refused before launch,
     in one line. The submitting shell's DS_ACCELERATOR=cpu never reaches the job."""
-    from megatron_lev.arguments import parse_args, validate_args
+    from megatron_lev.training.arguments import parse_args, validate_args
 
     inputs = {k: v for k, v in fake_inputs.items() if k != "prefixes"}
     fits = {"a100": 8192 // 512, "h100": 16384 // 512, "h200": 32768 // 512}

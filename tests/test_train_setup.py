@@ -7,14 +7,15 @@ import os
 import pytest
 import torch
 
-from megatron_lev.arguments import effective_config, parse_args, validate_args
-from megatron_lev.checkpointing.catalog import COMPLETE_MARKER, CONFIG_FILE, checkpoint_tag, find_latest
+from megatron_lev.checkpointing.catalog import (COMPLETE_MARKER, CONFIG_FILE, checkpoint_tag, find_latest,
+                                                read_checkpoint_config)
 from megatron_lev.checkpointing.save import prune_checkpoints
 from megatron_lev.checkpointing.universal import layout_changes
-from megatron_lev.ds_config import build_deepspeed_config
-from megatron_lev.flops import FlopsModel, peak_flops_per_device, training_flops
-from megatron_lev.optim import param_groups, uses_weight_decay
-from megatron_lev.train import check_resume_compatible
+from megatron_lev.training.arguments import effective_config, parse_args, validate_args
+from megatron_lev.training.ds_config import build_deepspeed_config
+from megatron_lev.training.flops import FlopsModel, peak_flops_per_device, training_flops
+from megatron_lev.training.optim import param_groups, uses_weight_decay
+from megatron_lev.training.validation import check_resume_compatible
 from megatron_lev.utils.errors import ConfigError
 
 DATA = ["--data-path", "/nonexistent/prefix", "--tokenizer-type", "SentencePieceTokenizer",
@@ -119,7 +120,7 @@ def test_weight_decay_groups_exclude_norms_biases_and_lev_codebooks_layernorm():
 
 
 def _schedule(*flags, world_size=1):
-    from megatron_lev.optim import build_lr_scheduler
+    from megatron_lev.training.optim import build_lr_scheduler
 
     args = args_for(*flags, world_size=world_size)
     groups = [{"params": [torch.nn.Parameter(torch.zeros(2, 2))], "weight_decay": args.weight_decay},
@@ -183,7 +184,7 @@ def test_lr_schedule_is_megatrons():
 def test_resume_with_another_schedule_is_refused_unless_told():
     """Megatron's rule: a changed schedule on resume needs --override-opt_param-scheduler or
     --use-checkpoint-opt_param-scheduler; the checkpoint's or the flags' values then win."""
-    from megatron_lev.train import check_resume_schedule
+    from megatron_lev.training.validation import check_resume_schedule
 
     old = args_for("--train-iters", "20")
     saved = effective_config(old)
@@ -204,7 +205,7 @@ def test_resume_with_another_schedule_is_refused_unless_told():
 def test_recompute_flags_reach_the_model():
     """--recompute-activations is Megatron's selective recompute; granularity/method/num-layers
     reach the model's full (uniform/block) recompute."""
-    from megatron_lev.train import build_model_config
+    from megatron_lev.training.validation import build_model_config
 
     cfg = build_model_config(args_for("--recompute-activations"))
     assert (cfg.recompute_granularity, cfg.recompute_modules) == ("selective", ["core_attn"])
@@ -253,19 +254,20 @@ def test_resume_refuses_a_different_model_naming_the_fields(tmp_path):
     tag = _fake_checkpoint(tmp_path, 3, config=saved)
     same = json.loads(json.dumps(saved))
     same["model"]["init_seed"] = 5  # only matters before step 1
-    check_resume_compatible(str(tmp_path), tag, same)
+    written = read_checkpoint_config(str(tmp_path), tag)
+    check_resume_compatible(str(tmp_path), tag, written, same)
     other = json.loads(json.dumps(saved))
     other["model"].update(embedding="tied", hidden_size=128)
     other["training"]["tensor_model_parallel_size"] = 2
     with pytest.raises(ConfigError) as err:
-        check_resume_compatible(str(tmp_path), tag, other)
+        check_resume_compatible(str(tmp_path), tag, written, other)
     assert str(err.value) == (
         f"--load {tmp_path}: checkpoint iter_0000003 was saved with a different model config (embedding: 'lev' in "
         "the checkpoint, 'tied' now; hidden_size: 64 in the checkpoint, 128 now); resume with the checkpoint's "
         "settings or use a new --save directory")
     # Another parallel layout is not refused: it resumes through a universal checkpoint (tests/test_bf16.py).
-    assert layout_changes(str(tmp_path), tag, other) == ["tensor_model_parallel_size: 1 -> 2"]
-    assert layout_changes(str(tmp_path), tag, same) == []
+    assert layout_changes(written, other) == ["tensor_model_parallel_size: 1 -> 2"]
+    assert layout_changes(written, same) == []
 
 
 def test_flops_formula():
@@ -285,8 +287,8 @@ def test_flops_formula():
 def test_vocab_size_follows_the_tokenizer_unless_pinned(tmp_path):
     """A model section without vocab_size takes the tokenizer's, padded as Megatron pads
     (--make-vocab-size-divisible-by x TP); a pinned one stays."""
-    from megatron_lev.arguments import derive_vocab_size
-    from megatron_lev.train import build_model_config
+    from megatron_lev.training.arguments import derive_vocab_size
+    from megatron_lev.training.validation import build_model_config
 
     yaml_path = tmp_path / "unpinned.yaml"
     yaml_path.write_text("base: tiny-lev\nmodel:\n  vocab_size: null\n")

@@ -12,7 +12,7 @@ import shutil
 
 import torch
 
-from megatron_lev.checkpointing.catalog import COMPLETE_MARKER, read_checkpoint_config
+from megatron_lev.checkpointing.catalog import COMPLETE_MARKER
 from megatron_lev.checkpointing.safe_load import safe_torch_load
 from megatron_lev.utils.errors import ConfigError
 from megatron_lev.utils.files import write_text_atomic
@@ -32,11 +32,10 @@ def zero_stage(config: dict):
     return config.get("deepspeed", {}).get("zero_optimization", {}).get("stage")
 
 
-def layout_changes(ckpt_dir: str, tag: str, config: dict) -> list[str]:
-    """How this run's parallel layout (TP, PP, DP size, ZeRO stage) differs from the
-    checkpoint's, one "key: then -> now" string each; empty when DeepSpeed can load the
-    checkpoint's files as they are."""
-    saved = read_checkpoint_config(ckpt_dir, tag)
+def layout_changes(saved: dict, config: dict) -> list[str]:
+    """How this run's parallel layout (TP, PP, DP size, ZeRO stage, in `config`) differs from
+    the checkpoint's (`saved`, its config.json), one "key: then -> now" string each; empty
+    when DeepSpeed can load the checkpoint's files as they are."""
     changes = [f"{key}: {saved['training'].get(key)} -> {config['training'].get(key)}" for key in _LAYOUT_KEYS
                if saved.get("training", {}).get(key) != config["training"].get(key)]
     if zero_stage(saved) != zero_stage(config):

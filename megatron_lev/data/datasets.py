@@ -25,6 +25,7 @@ exactly that sample.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -34,6 +35,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (convert_split_vector_to_split_matrix,
+                                                                    parse_and_normalize_split)
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import _IndexReader, get_bin_path, get_idx_path
 from megatron.core.datasets.utils import get_blend_from_list
@@ -113,6 +116,66 @@ def max_token_id(prefix: str) -> int:
     return highest
 
 
+@dataclasses.dataclass
+class DatasetPlan:
+    """What `plan_datasets` checked: the blend (or per-split blends), the split string,
+    and how many samples each split must provide."""
+
+    blend: Blend | None
+    blend_per_split: list[Blend | None] | None
+    split: str | None
+    sizes: list[int | None]
+
+    @property
+    def prefixes(self) -> list[str]:
+        return [p for b in ([self.blend] if self.blend else self.blend_per_split) if b for p in b[0]]
+
+
+def plan_datasets(
+    *,
+    data_path: str | Sequence[str] | None = None,
+    train_data_path: str | Sequence[str] | None = None,
+    valid_data_path: str | Sequence[str] | None = None,
+    test_data_path: str | Sequence[str] | None = None,
+    split: str | None = "969,30,1",
+    seq_length: int,
+    train_samples: int | None,
+    valid_samples: int | None,
+    test_samples: int | None,
+) -> DatasetPlan:
+    """Every check of the datasets a run names, without building anything (no index files,
+    no collective): the paths' form, every .bin/.idx on disk, the blend weights, and that
+    each split that must supply samples gets documents. A ValueError / FileNotFoundError
+    names the flag. `build_train_valid_test_datasets` runs it first; the trainer's start-up
+    validation runs it before any process group exists."""
+    per_split = (train_data_path, valid_data_path, test_data_path)
+    if data_path and any(per_split):
+        raise ValueError("--data-path and --train-data-path/--valid-data-path/--test-data-path are exclusive")
+    if not data_path and not train_data_path:
+        raise ValueError("--data-path (or --train-data-path) is required")
+    if seq_length < 1:
+        raise ValueError(f"--seq-length {seq_length}: must be positive")
+    if data_path:
+        blend, blend_per_split = parse_blend(data_path, "--data-path"), None
+    else:
+        blend, split = None, None
+        blend_per_split = [parse_blend(paths, flag) for paths, flag in zip(
+            per_split, ("--train-data-path", "--valid-data-path", "--test-data-path"))]
+    split_matrix = (convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+                    if blend is not None else None)
+    sizes = [train_samples, valid_samples, test_samples]
+    for i, name in enumerate(("train", "valid", "test")):
+        blend_i = blend if blend_per_split is None else blend_per_split[i]
+        has_data = blend_i is not None and (split_matrix is None or split_matrix[i] is not None)
+        if sizes[i] is None and blend_i is not None and blend_i[1] is not None:
+            if has_data:  # megatron-core draws weighted blends by count: it needs one
+                raise ValueError(f"{name}_samples is required with a weighted blend")
+            sizes[i] = 0  # an empty split: its size is never used
+    if blend is not None:
+        _check_splits_have_documents(blend[0], split_matrix, sizes, split)
+    return DatasetPlan(blend=blend, blend_per_split=blend_per_split, split=split, sizes=sizes)
+
+
 def build_train_valid_test_datasets(
     *,
     data_path: str | Sequence[str] | None = None,
@@ -146,27 +209,16 @@ def build_train_valid_test_datasets(
     caches the indices, then the others load them. `is_built_on_rank` (default: every
     rank) says which ranks get datasets; the others get None.
     """
-    per_split = (train_data_path, valid_data_path, test_data_path)
-    if data_path and any(per_split):
-        raise ValueError("--data-path and --train-data-path/--valid-data-path/--test-data-path are exclusive")
-    if not data_path and not train_data_path:
-        raise ValueError("--data-path (or --train-data-path) is required")
-    if seq_length < 1:
-        raise ValueError(f"--seq-length {seq_length}: must be positive")
-    if data_path:
-        blend, blend_per_split = parse_blend(data_path, "--data-path"), None
-    else:
-        blend, split = None, None
-        blend_per_split = [parse_blend(paths, flag) for paths, flag in zip(
-            per_split, ("--train-data-path", "--valid-data-path", "--test-data-path"))]
-    prefixes = [p for b in ([blend] if blend else blend_per_split) if b for p in b[0]]
-    cache_dir = index_cache_dir(cache_dir or default_cache_root(prefixes), prefixes)
+    plan = plan_datasets(data_path=data_path, train_data_path=train_data_path, valid_data_path=valid_data_path,
+                         test_data_path=test_data_path, split=split, seq_length=seq_length,
+                         train_samples=train_samples, valid_samples=valid_samples, test_samples=test_samples)
+    cache_dir = index_cache_dir(cache_dir or default_cache_root(plan.prefixes), plan.prefixes)
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        blend=blend,
-        blend_per_split=blend_per_split,
-        split=split,
+        blend=plan.blend,
+        blend_per_split=plan.blend_per_split,
+        split=plan.split,
         path_to_cache=cache_dir,
         tokenizer=tokenizer,
         reset_position_ids=reset_position_ids,
@@ -175,17 +227,7 @@ def build_train_valid_test_datasets(
         create_attention_mask=reset_attention_mask,
         num_dataset_builder_threads=num_dataset_builder_threads,
     )
-    sizes = [train_samples, valid_samples, test_samples]
-    for i, name in enumerate(("train", "valid", "test")):
-        blend_i = blend if blend_per_split is None else blend_per_split[i]
-        has_data = blend_i is not None and (config.split_matrix is None or config.split_matrix[i] is not None)
-        if sizes[i] is None and blend_i is not None and blend_i[1] is not None:
-            if has_data:  # megatron-core draws weighted blends by count: it needs one
-                raise ValueError(f"{name}_samples is required with a weighted blend")
-            sizes[i] = 0  # an empty split: its size is never used
-    if blend is not None:
-        _check_splits_have_documents(blend[0], config.split_matrix, sizes, split)
-    builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank or (lambda: True), config)
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, plan.sizes, is_built_on_rank or (lambda: True), config)
     with _rank_zero_when_not_distributed():
         train, valid, test = builder.build()
     return train, valid, test

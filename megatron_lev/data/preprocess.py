@@ -36,8 +36,8 @@ import re
 import shutil
 import signal
 import sys
-import threading
 import tempfile
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -49,8 +49,7 @@ from megatron.core.datasets.indexed_dataset import (DType, IndexedDatasetBuilder
 
 from megatron_lev.data.corpus import BAD_KINDS, BadCase, Block, expand_inputs, iter_block_records, iter_blocks
 from megatron_lev.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
-from megatron_lev.megatron_flags import (PREPROCESS_IGNORED, PREPROCESS_REFUSED, MegatronArgumentParser,
-                                         add_compat_flags, warn_ignored)
+from megatron_lev.utils.flags import MegatronArgumentParser, add_compat_flags, warn_ignored
 
 
 class PreprocessError(RuntimeError):
@@ -573,6 +572,27 @@ def _print_summary(s: PreprocessSummary, dtype, log) -> None:
     log.flush()
 
 
+# Megatron-LM tools/preprocess_data.py flags (core_v0.16.1) with no work to do here, or that cannot apply.
+PREPROCESS_IGNORED = {
+    "--partitions": (1, "input files are split into blocks for --workers already; outputs are merged once"),
+    "--keep-newlines": (0, "newlines are always kept (it matters only with --split-sentences)"),
+    "--keep-sequential-samples": (0, "documents are always written in input order"),
+    "--lang": (1, "only used by --split-sentences"),
+}
+
+PREPROCESS_REFUSED = {
+    "--split-sentences": (0, "sentence splitting (nltk punkt) is for BERT-style sentence datasets; GPT "
+                             "pre-training uses whole documents"),
+    "--vocab-file": (1, "GPT2BPETokenizer is not implemented: save the GPT-2 vocab/merges as a Hugging Face "
+                        "tokenizer.json and use --tokenizer-type HuggingFaceTokenizer"),
+    "--merge-file": (1, "GPT2BPETokenizer is not implemented: save the GPT-2 vocab/merges as a Hugging Face "
+                        "tokenizer.json and use --tokenizer-type HuggingFaceTokenizer"),
+}
+
+
+PREPROCESS_OWN_FLAGS = ("--split-by-key", "--chunk-size-mb", "--strict", "--max-bad-reports", "--allow-truncated")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = MegatronArgumentParser(prog="preprocess_data.py", description=__doc__.split("\n\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -605,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> PreprocessSummary:
     args = build_parser().parse_args(argv)
-    warn_ignored("preprocess_data.py", vars(args).pop("ignored_flags", ()))
+    warn_ignored("preprocess_data.py", vars(args).pop("ignored_flags", ()), PREPROCESS_IGNORED)
     try:
         return preprocess(args)
     except PreprocessError as exc:

@@ -67,7 +67,7 @@ def _run_args(config_file: str, model_section: dict, training: dict, tp: int, pp
               tokenizer: Optional[str], seq_length: int, argv: list[str]) -> argparse.Namespace:
     """The trainer's args for a 1-replica ZeRO-1 run with this config (validate_args' derived
     fields filled in for data-parallel size 1)."""
-    from megatron_lev.arguments import TRAINING_DEFAULTS, _schedule_in_samples, recompute_setting
+    from megatron_lev.training.arguments import TRAINING_DEFAULTS, _schedule_in_samples, recompute_setting
 
     args = argparse.Namespace(**{**TRAINING_DEFAULTS, **training})
     args.config, args.argv, args.model, args.given_flags = config_file, argv, model_section, []
@@ -107,12 +107,14 @@ def _import_rank(rank: int, world: int, port: int, full_path: str, args: argpars
     try:
         from megatron.core import parallel_state
 
-        from megatron_lev.arguments import effective_config
         from megatron_lev.checkpointing.layout import load_full_state_dict
         from megatron_lev.checkpointing.safe_load import safe_torch_load
-        from megatron_lev.ds_config import build_deepspeed_config
         from megatron_lev.models.pipeline import pipeline_to_model_key
-        from megatron_lev.train import TrainState, build_engine, build_model_config
+        from megatron_lev.training.arguments import effective_config
+        from megatron_lev.training.ds_config import build_deepspeed_config
+        from megatron_lev.training.engine import build_engine
+        from megatron_lev.training.trainer import TrainState
+        from megatron_lev.training.validation import build_model_config
 
         init_distributed(backend="gloo")
         initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)

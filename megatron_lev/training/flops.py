@@ -73,3 +73,14 @@ def peak_flops_per_device(gpu_type: Optional[str], peak_tflops: Optional[float])
     if gpu_type is not None:
         return PEAK_TFLOPS[gpu_type] * 1e12
     return None
+
+
+def flops_model(model_config, seq_length: int) -> FlopsModel:
+    lev = model_config.lev_config() if model_config.embedding == "lev" else None
+    return FlopsModel(
+        num_layers=model_config.num_layers, hidden_size=model_config.hidden_size,
+        ffn_hidden_size=model_config.ffn_hidden_size,
+        kv_width=model_config.kv_channels * (model_config.num_query_groups or model_config.num_attention_heads),
+        padded_vocab_size=model_config.padded_vocab_size, seq_length=seq_length,
+        lev_heads=lev.num_heads if lev else None, lev_seed_dim=lev.seed_dim if lev else None,
+        lev_knots=lev.num_knots if lev else None, lev_modes=lev.num_modes if lev else None)

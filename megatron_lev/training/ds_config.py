@@ -39,7 +39,7 @@ from pathlib import Path
 
 from megatron_lev.utils.errors import ConfigError
 
-DS_CONFIG_DIR = Path(__file__).resolve().parent / "deepspeed_configs"
+DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "deepspeed_configs"
 DEFAULT_ZERO_STAGE = 1
 AUTO = "auto"
 

@@ -20,9 +20,9 @@ import sys
 import yaml
 
 from megatron_lev.configs import config_path, load_config
-from megatron_lev.megatron_flags import (TRAIN_IGNORED, TRAIN_REFUSED, MegatronArgumentParser, add_compat_flags,
-                                         warn_ignored)
+from megatron_lev.training.megatron_flags import TRAIN_IGNORED, TRAIN_REFUSED
 from megatron_lev.utils.errors import ConfigError
+from megatron_lev.utils.flags import MegatronArgumentParser, add_compat_flags, warn_ignored
 
 # Values used when neither a flag nor the YAML's `training:` section sets a key.
 TRAINING_DEFAULTS = {
@@ -250,7 +250,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     given = vars(build_parser().parse_args(argv))
-    warn_ignored("megatron_lev.train", given.pop("ignored_flags", ()))
+    warn_ignored("megatron_lev.train", given.pop("ignored_flags", ()), TRAIN_IGNORED)
     try:
         path = config_path(given["config"])
         raw = load_config(path)

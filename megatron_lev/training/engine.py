@@ -1,0 +1,62 @@
+"""The DeepSpeed engine of a run: the model (plain for PP = 1 under ZeRO 1/2/3, DeepSpeed's
+PipelineModule for PP > 1), optionally compiled layer by layer, with AdamW's weight-decay groups
+and Megatron's LR schedule (optim.py). DeepSpeed owns clipping (its grad norm counts replicated
+parameters once over TP and sums shards over TP/PP/DP) and skips a step whose gradient norm is
+not finite; `poison_nonfinite` makes sure a non-finite loss gives one."""
+from __future__ import annotations
+
+import torch
+
+from megatron_lev.distributed.state import DeepSpeedMPU
+from megatron_lev.training.ds_config import offloads_optimizer
+from megatron_lev.training.optim import build_lr_scheduler, build_optimizer
+
+
+def poison_nonfinite(loss: torch.Tensor) -> torch.Tensor:
+    """A non-finite loss must skip the step; DeepSpeed skips on a non-finite gradient
+    norm, so make sure one follows: multiply by NaN when the loss is not finite (no
+    host sync; a finite loss is multiplied by exactly 1)."""
+    scale = torch.where(torch.isfinite(loss.detach()), 1.0, float("nan")).to(loss.dtype)
+    return loss * scale
+
+
+def _poisoned(loss_fn):
+    def wrapped(*args, **kwargs):
+        return poison_nonfinite(loss_fn(*args, **kwargs))
+
+    return wrapped
+
+
+def build_engine(args, model_config, ds_config: dict):
+    """DeepSpeed engine over the plain model (PP = 1) or the pipeline module (PP > 1)."""
+    import deepspeed
+
+    if args.pipeline_model_parallel_size > 1:
+        from megatron_lev.models.pipeline import build_pipeline_model
+
+        module = build_pipeline_model(model_config)  # recompute interval from the config
+        module.loss_fn = _poisoned(module.loss_fn)
+        mpu = None  # the PipelineModule carries its topology
+    else:
+        from megatron_lev.models.decoder import LeviathanModel
+
+        module = LeviathanModel(model_config)
+        mpu = DeepSpeedMPU()
+    if torch.cuda.is_available():
+        module = module.cuda()
+    if getattr(args, "compile_layers", False):
+        from megatron_lev.models.transformer import compile_decoder_layers
+
+        compile_decoder_layers(module)
+    offload = offloads_optimizer(ds_config)
+    optimizer = build_optimizer(module, lr=args.lr, weight_decay=args.weight_decay,
+                                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, offload=offload)
+    if offload and type(optimizer).__name__ != "DeepSpeedCPUAdam":
+        ds_config["zero_force_ds_cpu_optimizer"] = False  # the CPU Adam op could not be built here
+
+    def scheduler(opt):
+        return build_lr_scheduler(opt, args)
+
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=ds_config, mpu=mpu)
+    return engine

@@ -1,0 +1,77 @@
+"""Command lines that read like Megatron-LM's: the parser class of our commands (Megatron's
+`allow_abbrev=False`, one-line errors naming the closest flag) and Megatron-LM flags that have
+no work to do here (accepted with a warning) or cannot apply (refused, with the reason).
+
+Each command lists its own compatible flags: training/megatron_flags.py for the trainer,
+data/preprocess.py for preprocessing; megatron_lev/flag_table.py renders them all as the
+"Megatron-LM flag -> here" table of docs/training.md.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+
+
+class MegatronArgumentParser(argparse.ArgumentParser):
+    """argparse with Megatron's `allow_abbrev=False`, and errors as one line (no usage
+    block), printed by rank 0 only: an unknown flag names the closest known one."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        flags = [a for a in extras if a.startswith("-")]
+        if flags:  # parse_args would print the whole usage first; one line instead
+            self.error(self.unknown_flag_message(flags[0]))
+        return parsed, extras
+
+    def known_flags(self) -> list[str]:
+        return [s for action in self._actions for s in action.option_strings if s.startswith("--")]
+
+    def unknown_flag_message(self, flag: str) -> str:
+        name = flag.split("=", 1)[0]
+        close = difflib.get_close_matches(name, self.known_flags(), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]}?)" if close else " (--help lists the flags)"
+        return f"unrecognized argument {name}{hint}"
+
+    def error(self, message):
+        if int(os.environ.get("RANK", "0")) == 0:  # torchrun starts every rank with the same argv
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+class _IgnoredFlag(argparse.Action):
+    """A Megatron-LM flag with nothing to do here: recorded in `ignored_flags`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        ignored = list(getattr(namespace, "ignored_flags", []))
+        ignored.append(option_string)
+        setattr(namespace, "ignored_flags", ignored)
+
+
+class _RefusedFlag(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is not supported: {self.help}")
+
+
+def add_compat_flags(parser: argparse.ArgumentParser, ignored: dict, refused: dict) -> None:
+    """Register Megatron-LM flags: `ignored` and `refused` map a flag to (nargs, reason)."""
+    g = parser.add_argument_group("Megatron-LM flags accepted with a warning (no effect here)")
+    for flag, (nargs, reason) in ignored.items():
+        g.add_argument(flag, nargs=nargs, action=_IgnoredFlag, help=reason, dest=argparse.SUPPRESS,
+                       default=argparse.SUPPRESS)
+    g = parser.add_argument_group("Megatron-LM flags refused (cannot apply here)")
+    for flag, (nargs, reason) in refused.items():
+        g.add_argument(flag, nargs=nargs, action=_RefusedFlag, help=reason, dest=argparse.SUPPRESS,
+                       default=argparse.SUPPRESS)
+
+
+def warn_ignored(prog: str, flags, ignored: dict) -> None:
+    """One warning line per ignored flag (`ignored`: flag -> (nargs, reason)), rank 0 only."""
+    if flags and int(os.environ.get("RANK", "0")) == 0:
+        for flag in dict.fromkeys(flags):
+            print(f"{prog}: warning: {flag} ignored: {ignored[flag][1]}", file=sys.stderr, flush=True)
