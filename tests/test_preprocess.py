@@ -9,7 +9,8 @@ import zstandard
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 from megatron_lev.data.corpus import read_documents
-from megatron_lev.data.preprocess import CompactIndexedDatasetBuilder, PreprocessError, main
+from megatron_lev.data.encode import CompactIndexedDatasetBuilder
+from megatron_lev.data.preprocess import PreprocessError, main
 from megatron_lev.data.tokenizer import build_tokenizer
 from tests.fixtures import run_preprocess
 
@@ -324,11 +325,11 @@ def test_huge_document_tokenized_in_bounded_pieces(tmp_path, tokenizer, spm_toke
     working memory grows ~40 bytes a character): it goes in pieces cut at line ends,
     concatenated into one document, and the run reports it. Normal documents are
     unchanged; no tokenizer call holds more than two pieces' worth of characters."""
-    from megatron_lev.data import preprocess
+    from megatron_lev.data import encode as workers
     from megatron_lev.data.tokenizer import SentencePieceTokenizer
 
     limit = 2000
-    monkeypatch.setattr(preprocess, "ENCODE_BATCH_CHARS", limit)
+    monkeypatch.setattr(workers, "ENCODE_BATCH_CHARS", limit)
     calls = []
     batch, single = SentencePieceTokenizer.tokenize_batch, SentencePieceTokenizer.tokenize
     monkeypatch.setattr(SentencePieceTokenizer, "tokenize_batch",
@@ -340,7 +341,7 @@ def test_huge_document_tokenized_in_bounded_pieces(tmp_path, tokenizer, spm_toke
     write_lines(str(path), [encode({"text": t}) for t in small[:30] + [huge] + small[30:]])
     summary, log = run_preprocess(str(path), str(tmp_path / "out" / "h"), spm_tokenizer, "--append-eod")
     assert summary.split_documents == 1 and "note: 1 document(s) over 2000 characters" in log
-    pieces = preprocess.split_long_text(huge)
+    pieces = workers.split_long_text(huge)
     assert "".join(pieces) == huge and len(pieces) == 7 and all(p.endswith("\n") for p in pieces)
     assert max(map(len, pieces)) <= limit
     expected = [tokenizer.tokenize(t) + [tokenizer.eod] for t in small[:30]]

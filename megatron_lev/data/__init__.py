@@ -5,6 +5,7 @@
   corpus.py      find/stream/validate/write JSON-lines corpora (.jsonl, .zst, .gz);
                  build_python_corpus: a real-text Pile-format corpus from Python itself
   preprocess.py  tools/preprocess_data.py: corpora -> .bin/.idx, in parallel
+  encode.py      its worker side: one block of JSON lines -> tokenized .bin/.idx shards
   datasets.py    GPT datasets and blends over megatron-core, the data-parallel loader
 
 Names are importable from here too (loaded on first use, so `import megatron_lev.data`
