@@ -1,9 +1,8 @@
 """megatron_lev: pre-training stack for Leviathan language models.
 
-Where things are:
-  lev/          the LEV embedding generator: its math (generator.py), Triton kernels, TP module
-  distributed/  torch.distributed start-up, megatron-core groups, RNG streams, DeepSpeed mpu
-  configs/      packaged YAML configs (model + training defaults)
+Packages, top to bottom (docs/layout.md): entry points (train, evaluate, demo, cli,
+flag_table); evaluation/; hf/; training/; checkpointing/; models/ and data/; lev/ and
+distributed/; utils/ and configs/. The LEV math is lev/generator.py.
 """
 import warnings as _warnings
 
