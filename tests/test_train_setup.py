@@ -300,3 +300,29 @@ def test_vocab_size_follows_the_tokenizer_unless_pinned(tmp_path):
     pinned = args_for()
     derive_vocab_size(pinned, 8000)
     assert build_model_config(pinned).vocab_size == 1000  # tiny-lev.yaml sets it
+
+
+def test_validation_runs_every_check_without_a_process_group(tmp_path, tiny_dataset, spm_tokenizer, capsys):
+    """`python -m megatron_lev.training.validation` (what a dry run calls) runs the trainer's own
+    start-up checks in this process: a good run prints its summary and exits 0; the first
+    problem, wherever it lies (flag, data, checkpoint), is the trainer's one-line error and 2."""
+    import torch.distributed as dist
+
+    from megatron_lev.training.validation import main
+
+    good = ["--config", "tiny-lev", "--data-path", tiny_dataset, "--split", "90,5,5", "--tokenizer-type",
+            "SentencePieceTokenizer", "--tokenizer-model", spm_tokenizer, "--train-iters", "4",
+            "--save", str(tmp_path / "run")]
+    assert main(["--world-size", "2", *good]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("config ") and "TP 1 x PP 1 x DP 2" in out
+    assert not dist.is_initialized()
+    assert main(["--world-size", "3", *good]) == 2  # global batch 8 does not split over 3 ranks
+    assert capsys.readouterr().err.splitlines() == [
+        "megatron_lev.train: error: --global-batch-size 8 must be a multiple of --micro-batch-size 4 x "
+        "data-parallel size 3 (= world 3 / (--tensor-model-parallel-size 1 x --pipeline-model-parallel-size 1)) = 12"]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
+    assert main(["--world-size", "2", *good]) == 2  # another run's folder, without --load
+    assert capsys.readouterr().err.startswith(f"megatron_lev.train: error: --save {tmp_path / 'run'}: the folder "
+                                              "is not empty (metrics.jsonl)")
