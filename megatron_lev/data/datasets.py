@@ -124,6 +124,7 @@ class DatasetPlan:
     blend: Blend | None
     blend_per_split: list[Blend | None] | None
     split: str | None
+    seq_length: int
     sizes: list[int | None]
 
     @property
@@ -173,21 +174,12 @@ def plan_datasets(
             sizes[i] = 0  # an empty split: its size is never used
     if blend is not None:
         _check_splits_have_documents(blend[0], split_matrix, sizes, split)
-    return DatasetPlan(blend=blend, blend_per_split=blend_per_split, split=split, sizes=sizes)
+    return DatasetPlan(blend=blend, blend_per_split=blend_per_split, split=split, seq_length=seq_length, sizes=sizes)
 
 
 def build_train_valid_test_datasets(
     *,
-    data_path: str | Sequence[str] | None = None,
-    train_data_path: str | Sequence[str] | None = None,
-    valid_data_path: str | Sequence[str] | None = None,
-    test_data_path: str | Sequence[str] | None = None,
-    split: str | None = "969,30,1",
-    seq_length: int,
     seed: int,
-    train_samples: int | None,
-    valid_samples: int | None,
-    test_samples: int | None,
     tokenizer,
     cache_dir: str | None = None,
     reset_position_ids: bool = False,
@@ -195,12 +187,13 @@ def build_train_valid_test_datasets(
     eod_mask_loss: bool = False,
     is_built_on_rank: Callable[[], bool] | None = None,
     num_dataset_builder_threads: int = 1,
+    **data,
 ):
     """(train, valid, test) GPT datasets; a split is None when it gets no data.
 
-    Either `data_path` (one blend, divided by `split`, e.g. "969,30,1") or per-split
-    paths. `*_samples` are the numbers of samples each split must provide (None: one
-    epoch). The shuffled index files go to a folder under `cache_dir` keyed on the data
+    `data` is what `plan_datasets` takes (and checks first): either `data_path` (one blend,
+    divided by `split`, e.g. "969,30,1") or per-split paths, `seq_length`, and `*_samples`,
+    the numbers of samples each split must provide (None: one epoch). The shuffled index files go to a folder under `cache_dir` keyed on the data
     files (`index_cache_dir`); without `cache_dir`, under `default_cache_root`. With
     `reset_attention_mask` samples also carry a per-document `attention_mask`
     ([1, seq, seq], True = masked); otherwise none is built: the model is causal.
@@ -209,13 +202,11 @@ def build_train_valid_test_datasets(
     caches the indices, then the others load them. `is_built_on_rank` (default: every
     rank) says which ranks get datasets; the others get None.
     """
-    plan = plan_datasets(data_path=data_path, train_data_path=train_data_path, valid_data_path=valid_data_path,
-                         test_data_path=test_data_path, split=split, seq_length=seq_length,
-                         train_samples=train_samples, valid_samples=valid_samples, test_samples=test_samples)
+    plan = plan_datasets(**data)
     cache_dir = index_cache_dir(cache_dir or default_cache_root(plan.prefixes), plan.prefixes)
     config = GPTDatasetConfig(
         random_seed=seed,
-        sequence_length=seq_length,
+        sequence_length=plan.seq_length,
         blend=plan.blend,
         blend_per_split=plan.blend_per_split,
         split=plan.split,
