@@ -113,7 +113,7 @@ FAULTS_PER_ALLOCATION = textwrap.dedent("""
     from megatron_lev.distributed.launch import retain_freed_cpu_memory
     applied = retain_freed_cpu_memory() if sys.argv[1] == "retain" else None
     faults = []
-    for _ in range(5):  # a 64 MB tensor, written, freed: what a training step does with its logits
+    for _ in range(8):  # a 64 MB tensor, written, freed: what a training step does with its logits
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t = torch.ones(16 * 2**20)
         del t
@@ -130,11 +130,21 @@ def _page_faults_per_allocation(mode: str, **env) -> tuple:
 
 
 def test_cpu_processes_reuse_freed_memory_instead_of_faulting_it_in_again():
+    from megatron_lev.distributed.launch import CPU_MALLOC_TUNABLES, cpu_malloc_environ
+
     applied, default = _page_faults_per_allocation("default")
     assert min(default[2:]) >= 32  # glibc unmaps a large free: every allocation faults again
-    applied, retained = _page_faults_per_allocation("retain")
+    # Started with the tunables, the process reuses the block every time, whatever the heap's layout
+    # (which the environment's size shifts: with mallopt alone, in-process, it depended on it).
+    for padding in ("", "x" * 1000, "y" * 4097):
+        env = {**cpu_malloc_environ({}), "LAYOUT_PADDING": padding}
+        assert env["GLIBC_TUNABLES"] == CPU_MALLOC_TUNABLES
+        _, retained = _page_faults_per_allocation("default", **env)
+        assert max(retained[2:]) * 4 < min(default[2:]), (padding and len(padding), retained, default)
+    applied, _ = _page_faults_per_allocation("retain")
     assert applied == "True"
-    assert max(retained[2:]) * 4 < min(default[2:]), (retained, default)  # steady state: reused
-    # A user's own allocator settings win.
+    # A user's own allocator settings win, in the process and for the children it starts.
     applied, _ = _page_faults_per_allocation("retain", MALLOC_TRIM_THRESHOLD_="1000000")
     assert applied == "False"
+    assert cpu_malloc_environ({"MALLOC_TRIM_THRESHOLD_": "1000000"}) == {}
+    assert cpu_malloc_environ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {}

@@ -82,6 +82,11 @@ record environment "$t" "$status"
 
 # The demo runs on CPU: gloo, one thread per process, DeepSpeed's CPU accelerator.
 export CUDA_VISIBLE_DEVICES="" DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
+# CPU processes keep and reuse freed memory (megatron_lev.distributed.launch.CPU_MALLOC_TUNABLES),
+# unless the user set glibc's allocator variables.
+if [[ -z ${GLIBC_TUNABLES:-} ]] && ! env | grep -q '^MALLOC_'; then
+    export GLIBC_TUNABLES="glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647:glibc.malloc.tcache_count=0"
+fi
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
 
 # newer OUT IN...: OUT exists and is newer than every IN.

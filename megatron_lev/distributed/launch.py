@@ -123,6 +123,19 @@ _MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESH
                "GLIBC_TUNABLES")
 
 
+# The same settings as glibc tunables, plus the per-thread cache off: read only at process
+# start, so CPU launchers put them in their children's environment (`cpu_malloc_environ`).
+CPU_MALLOC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647:glibc.malloc.tcache_count=0"
+
+
+def cpu_malloc_environ(environ=None) -> dict:
+    """The environment variables a CPU training process should start with so that it reuses
+    freed memory every time (see `retain_freed_cpu_memory`): {"GLIBC_TUNABLES": ...}, or
+    nothing when the user set any MALLOC_* or GLIBC_TUNABLES (theirs win)."""
+    environ = os.environ if environ is None else environ
+    return {} if any(name in environ for name in _MALLOC_ENV) else {"GLIBC_TUNABLES": CPU_MALLOC_TUNABLES}
+
+
 def retain_freed_cpu_memory() -> bool:
     """Make glibc keep freed memory for reuse instead of handing it back to the kernel.
 
@@ -133,6 +146,13 @@ def retain_freed_cpu_memory() -> bool:
     off and a 2 GB trim threshold the process keeps its peak working set (what a GPU's
     caching allocator does). glibc only, CPU runs only, and not when MALLOC_* or
     GLIBC_TUNABLES is set. Returns whether it applied.
+
+    Set here, in a running process, it is not enough every time: torch allocates with
+    posix_memalign, whose small alignment remainders sit in glibc's per-thread cache and can
+    keep a freed 64 MB block from serving the next 64 MB request (whether that happens
+    depends on the heap's layout, even on the size of the environment). Started with
+    `cpu_malloc_environ()`'s tunables, which also turn that cache off, a process reuses the
+    block every time; tools/quickstart.sh starts its CPU runs so.
     """
     if any(name in os.environ for name in _MALLOC_ENV):
         return False
