@@ -4,7 +4,7 @@ import os
 
 # Before anything imports deepspeed: run its CPU accelerator.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-# Triton (LEV's CUDA kernels, tests/test_lev/kernels.py) on CPU tensors: its interpreter. It
+# Triton (LEV's CUDA kernels, tests/test_lev_kernels.py) on CPU tensors: its interpreter. It
 # must be set before anything imports triton (DeepSpeed and torch.compile do).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -9,8 +9,9 @@ LEV_SPEC.md section 1):
 4. basis    quadratic B-spline weights of each `x_d` on `kappa` uniform knots,
             normalised to sum to 1 (at most 3 are non-zero);
 5. modes    `phi[d, q] = sum_j B_j(x_d) * (1 + delta[l, d, j, q])`,
-            `M_l[q] = prod_d phi[d, q]`, as sign parity * exp(sum_d log(|phi| + eps)),
-            always in float32;
+            `M_l[q] = prod_d phi[d, q]`, the spec's sign parity * exp(sum_d log(|phi| + eps))
+            computed as float32 products of 16 factors combined by a sum of their logs,
+            |M| capped at 2^115 (`mode_product`: the same in the fused kernels);
 6. output   `e = sum_l M_l @ w_out[l]`                                         [D]
 
 This file is torch-only on purpose: the Hugging Face export copies it verbatim
@@ -201,18 +202,49 @@ def _dense_basis(knots: torch.Tensor, weights: torch.Tensor, num_knots: int) -> 
     return dense.scatter_add_(-1, knots, weights.permute(1, 2, 0, 3))
 
 
+def _exception_line(exc: BaseException) -> str:
+    """'TypeName: first line of the message' (at most 200 characters of it), for a warning."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+
+
+# The mode product (spec step 5 and "Overflow"), computed the same way here and in lev/kernels.py
+# (docs/lev.md derives its float32 error bound):
+#   phi' = phi + copysign(eps, phi)           |phi'| = |phi| + eps, the sign of phi: the spec's eps form,
+#                                             and never 0, so dM/dphi = M / phi' is always defined;
+#   P_c  = prod of MODE_CHUNK factors phi'    plain float32 products (exact range: 2^-7.8 <= |phi'| <= 2^7.9);
+#   L    = sum_c log(min(|P_c|, FLOAT32_MAX)) one log per chunk instead of one per factor;
+#   M    = parity(P) * min(exp(L), MODE_MAX)  |M| is capped, so it, M @ w_out and the gradients stay finite.
+# Where the cap binds (|M| == MODE_MAX) the mode is constant: dM/dphi = 0.
+MODE_CHUNK = 16
+MODE_MAX = 2.0**115  # the log-sum clamped at 115 ln 2 = 79.7; 2^13 below float32's largest value
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def mode_product(phi: torch.Tensor, eps: float):
-    """One head's mode factors phi [d_s, n, r] -> (M [n, r], sign(phi) / (|phi| + eps)):
-    M[q] = prod_d phi[d, q] in the sign-parity log-sum form, parity * exp(sum_d log(|phi| + eps)),
-    and the factor that turns dL/dM * M into dL/dphi."""
-    magnitude = phi.abs() + eps
-    negatives = torch.signbit(phi).sum(0, dtype=torch.int32)
+    """One head's mode factors phi [d_s, n, r] -> (M [n, r], 1 / phi'): M[q] = prod_d phi'[d, q]
+    as chunked float32 products combined by a sum of logs, |M| capped at MODE_MAX (see above),
+    and the factor 1 / phi' that turns dL/dM * M into dL/dphi."""
+    shifted = torch.where(phi < 0, phi - eps, phi + eps)  # phi + copysign(eps, phi)
+    d = phi.shape[0]
+    whole = d - d % MODE_CHUNK
+    chunks = [shifted[:whole].unflatten(0, (-1, MODE_CHUNK)).prod(1)] if whole else []
+    if whole < d:
+        chunks.append(shifted[whole:].prod(0, keepdim=True))
+    products = torch.cat(chunks) if len(chunks) > 1 else chunks[0]  # [K, n, r]
+    log_sum = torch.log(products.abs().clamp(max=FLOAT32_MAX)).sum(0)
+    negatives = torch.signbit(products).sum(0, dtype=torch.int32)
     parity_sign = 1.0 - 2.0 * (negatives % 2).to(phi.dtype)
-    return parity_sign * torch.exp(torch.log(magnitude).sum(0)), torch.sign(phi) / magnitude
+    return parity_sign * torch.exp(log_sum).clamp(max=MODE_MAX), shifted.reciprocal()
+
+
+def mode_gradient_weight(grad_modes: torch.Tensor, modes: torch.Tensor) -> torch.Tensor:
+    """dL/dM * M in float32, 0 where the cap binds (|M| == MODE_MAX: the mode is constant there):
+    dL/dphi[d] = this / phi'[d] (both paths)."""
+    return torch.where(modes.abs() < MODE_MAX, grad_modes.to(torch.float32) * modes, 0.0)
 
 
 # On CPU `mode_product` runs compiled by torch.compile (inductor: one loop over phi instead
-# of eight passes, about 5x faster at the demo's shapes), falling back to eager once, with a
+# of several passes), falling back to eager once, with a
 # warning, where compilation fails (no C++ compiler). Shapes are dynamic: one compilation
 # serves every number of ids. Set False for the eager reference.
 COMPILE_CPU_MODE_PRODUCT = True
@@ -235,7 +267,7 @@ def _compiled_cpu_mode_product(phi: torch.Tensor, eps: float):
         import warnings
 
         warnings.warn(f"LEV: torch.compile of the CPU mode product failed, using eager PyTorch "
-                      f"(slower, same math): {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                      f"(slower, same math): {_exception_line(exc)}")
         _compiled_mode_product = False
         return mode_product(phi, eps)
 
@@ -246,11 +278,10 @@ class _SeparableModes(torch.autograd.Function):
     The CPU path (and the reference for lev/kernels.py). The basis of every head is built
     in one pass of ops; the [d_s, n, r] mode factors phi are formed one head at a time (a
     batched matmul with the dense basis) and reduced by `mode_product`, which also returns
-    the derivative factor dM/dphi[d] / M = sign(phi[d]) / (|phi[d]| + eps) of the
-    sign-parity log-sum form. Forward keeps it and the basis (with its closed-form
-    derivative), so backward multiplies the factor by the incoming gradient instead of
-    rebuilding phi and the basis: h * d_s * n * (r + kappa + 9) floats of memory, on CPU,
-    for one matmul and a dozen passes fewer.
+    the derivative factor dM/dphi[d] / M = 1 / phi'[d]. Forward keeps it and the basis (with
+    its closed-form derivative), so backward multiplies the factor by the incoming gradient
+    (`mode_gradient_weight`) instead of rebuilding phi and the basis: h * d_s * n * (r + kappa + 9)
+    floats of memory, on CPU, for one matmul and a dozen passes fewer.
     """
 
     @staticmethod
@@ -283,7 +314,7 @@ class _SeparableModes(torch.autograd.Function):
         n, (h, d) = modes.shape[0], coeffs.shape[:2]
         grad_x = torch.empty(n, h, d, dtype=torch.float32, device=modes.device) if ctx.needs_input_grad[0] else None
         grad_coeffs = torch.empty_like(coeffs) if ctx.needs_input_grad[1] else None
-        g = grad_modes.to(torch.float32) * modes  # [n, h, r]
+        g = mode_gradient_weight(grad_modes, modes)  # [n, h, r]
         for l in range(h):
             # In place on the saved factor: a second backward through this graph fails
             # loudly (autograd's saved-tensor version check) instead of reading it twice.
@@ -311,14 +342,42 @@ def _fused_kernels():
         from megatron_lev.lev import kernels
     except ImportError:
         return None
+    except Exception as exc:  # noqa: BLE001 - Triton installed but broken: the PyTorch path, said once
+        import warnings
+
+        warnings.warn(f"LEV: Triton failed to import, using the PyTorch path (same math, slower): "
+                      f"{_exception_line(exc)}")
+        return None
     return kernels
 
 
+# Set to the reason when the fused kernels failed to compile or launch in this process (for
+# instance no C compiler or no Python.h for Triton's launcher): every later call takes the
+# PyTorch path, which computes the same modes.
+fused_modes_failure: Optional[str] = None
+
+
 def uses_fused_modes(device: torch.device) -> bool:
-    if device.type not in FUSED_MODES_DEVICES:
+    if device.type not in FUSED_MODES_DEVICES or fused_modes_failure is not None:
         return False
     kernels = _fused_kernels()
     return kernels is not None and kernels.available(device)
+
+
+def _fused_separable_modes(x: torch.Tensor, delta: torch.Tensor, eps: float) -> Optional[torch.Tensor]:
+    """The fused kernels' modes, or None (after one warning) where Triton cannot compile or
+    launch them. The first call per shape also runs the backward kernel (kernels.py), so a
+    failure shows here, in forward, where the PyTorch path can still take over."""
+    global fused_modes_failure
+    try:
+        return _fused_kernels().separable_modes(x, delta, eps, chunk=MODE_CHUNK, mode_max=MODE_MAX)
+    except Exception as exc:  # noqa: BLE001 - any compiler or launch failure: keep training
+        import warnings
+
+        fused_modes_failure = _exception_line(exc)
+        warnings.warn(f"LEV: the fused Triton kernels failed on {x.device.type}, using the PyTorch path "
+                      f"(same math, slower): {fused_modes_failure}")
+        return None
 
 
 def separable_modes(x: torch.Tensor, delta: torch.Tensor, eps: float = 1e-9) -> torch.Tensor:
@@ -328,7 +387,9 @@ def separable_modes(x: torch.Tensor, delta: torch.Tensor, eps: float = 1e-9) -> 
     """
     with torch.autocast(x.device.type, enabled=False):
         if uses_fused_modes(x.device):
-            return _fused_kernels().separable_modes(x, delta, eps)
+            modes = _fused_separable_modes(x, delta, eps)
+            if modes is not None:
+                return modes
         return _SeparableModes.apply(x.to(torch.float32), 1.0 + delta.to(torch.float32), eps)
 
 

@@ -7,10 +7,11 @@ Two kernels replace generator.py's per-head loop of basis, dense `bmm`, sign par
 
   forward   one program per (block of rows, head): for each seed coordinate it gathers
             the 3 non-zero knots' rows of S = 1 + delta (never a dense basis), forms
-            phi [rows, r] and accumulates log|phi| and the parity of the negative
-            factors in registers; phi is never written to memory. Writes M [n, h, r].
-  backward  one program per (head, seed coordinate): rebuilds phi, forms
-            dM/dphi = M * sign(phi) / (|phi| + eps) times the incoming gradient, writes
+            phi' = phi + copysign(eps, phi) [rows, r], multiplies 16 of them in registers and
+            adds one log per 16 (generator.mode_product's rule, its cap on |M| included);
+            phi is never written to memory. Writes M [n, h, r].
+  backward  one program per (head, seed coordinate): rebuilds phi', forms
+            dM/dphi = M / phi' times the incoming gradient (0 where |M| is capped), writes
             grad_x (the basis derivative in closed form) and accumulates
             grad_S[head, d] [kappa, r] = basis^T @ grad_phi over all rows in registers,
             so grad_delta needs no atomics and no [d_s, n, r] buffer.
@@ -18,15 +19,20 @@ Two kernels replace generator.py's per-head loop of basis, dense `bmm`, sign par
 Everything is float32 (`tl.dot` in "ieee" precision: no TF32). Each output row depends on
 its own id only, so evaluating distinct ids or every position gives the same rows bit
 for bit within this path; it is not bit-identical to generator.py's CPU path (which sums the
-16-knot dense basis through BLAS): the two agree to float32 rounding (tests/test_lev/kernels.py).
+16-knot dense basis through BLAS): both are within the float32 error bound of the exact modes.
 
 This module imports Triton; generator.py imports it only on first use and only when Triton is
-installed (generator.py itself stays torch-only for the HF export). On CPU tensors the kernels
-run under Triton's interpreter when TRITON_INTERPRET=1 is set before their first launch,
-which is how CI tests them.
+installed (generator.py itself stays torch-only for the HF export). The first forward of a shape
+on a GPU also launches the backward kernel once (on zeros), so that a failure to compile or
+launch either kernel (Triton's launcher needs a C compiler and Python.h) raises in forward,
+where generator.py warns once and takes the PyTorch path. `LAUNCHES` counts the launches. On
+CPU tensors the kernels run under Triton's interpreter when TRITON_INTERPRET=1 is set before
+their first launch, which is how CI tests them (tests/test_lev_kernels.py, within the float32
+error bound of docs/lev.md).
 """
 from __future__ import annotations
 
+import collections
 import os
 
 import torch
@@ -34,6 +40,7 @@ import triton
 import triton.language as tl
 
 BLOCK_ROWS = 32  # rows per program in the forward and per loop step in the backward
+FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)  # a chunk product past it counts as it
 
 
 def available(device: torch.device | str) -> bool:
@@ -66,8 +73,28 @@ def _basis(x, KAPPA: tl.constexpr):
     c = center.to(tl.int32)
     return c, w0, w1, w2, dw0, dw1, dw2
 
-def modes_forward(x_ptr, delta_ptr, modes_ptr, n, eps, H: tl.constexpr, DS: tl.constexpr,
-                  KAPPA: tl.constexpr, R: tl.constexpr, R_P2: tl.constexpr, BLOCK: tl.constexpr):
+def _shifted_factor(x_ptr, delta_ptr, rows, row_ok, head, d, q, mask, eps, H: tl.constexpr, DS: tl.constexpr,
+                    KAPPA: tl.constexpr, R: tl.constexpr):
+    """phi' = phi + copysign(eps, phi) of seed coordinate d for a block of rows [BLOCK, R_P2]."""
+    x = tl.load(x_ptr + (rows * H + head) * DS + d, mask=row_ok, other=0.5)
+    c, w0, w1, w2, dw0, dw1, dw2 = _basis(x, KAPPA)
+    table = delta_ptr + (head * DS + d) * KAPPA * R + q[None, :]
+    s0 = 1.0 + tl.load(table + tl.maximum(c - 1, 0)[:, None] * R, mask=mask, other=0.0)
+    s1 = 1.0 + tl.load(table + c[:, None] * R, mask=mask, other=0.0)
+    s2 = 1.0 + tl.load(table + tl.minimum(c + 1, KAPPA - 1)[:, None] * R, mask=mask, other=0.0)
+    phi = w0[:, None] * s0 + w1[:, None] * s1 + w2[:, None] * s2
+    return tl.where(phi < 0, phi - eps, phi + eps)
+
+
+def _log_magnitude(product):
+    """log|P| of a chunk product, a product past float32's range counting as its largest value."""
+    magnitude = tl.abs(product)
+    return tl.log(tl.where(magnitude > FLOAT32_MAX, FLOAT32_MAX, magnitude))
+
+
+def modes_forward(x_ptr, delta_ptr, modes_ptr, n, eps, mode_max, H: tl.constexpr, DS: tl.constexpr,
+                  KAPPA: tl.constexpr, R: tl.constexpr, R_P2: tl.constexpr, BLOCK: tl.constexpr,
+                  CHUNK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     head = tl.program_id(1)
     q = tl.arange(0, R_P2)
@@ -75,18 +102,24 @@ def modes_forward(x_ptr, delta_ptr, modes_ptr, n, eps, H: tl.constexpr, DS: tl.c
     mask = row_ok[:, None] & (q < R)[None, :]
     log_sum = tl.zeros((BLOCK, R_P2), dtype=tl.float32)
     negatives = tl.zeros((BLOCK, R_P2), dtype=tl.int32)
-    for d in range(DS):
-        x = tl.load(x_ptr + (rows * H + head) * DS + d, mask=row_ok, other=0.5)
-        c, w0, w1, w2, dw0, dw1, dw2 = _basis(x, KAPPA)
-        table = delta_ptr + (head * DS + d) * KAPPA * R + q[None, :]
-        s0 = 1.0 + tl.load(table + tl.maximum(c - 1, 0)[:, None] * R, mask=mask, other=0.0)
-        s1 = 1.0 + tl.load(table + c[:, None] * R, mask=mask, other=0.0)
-        s2 = 1.0 + tl.load(table + tl.minimum(c + 1, KAPPA - 1)[:, None] * R, mask=mask, other=0.0)
-        phi = w0[:, None] * s0 + w1[:, None] * s1 + w2[:, None] * s2
-        log_sum += tl.log(tl.abs(phi) + eps)
-        negatives += (phi < 0).to(tl.int32)
+    # Chunks of CHUNK factors multiplied directly, then one log per chunk (generator.mode_product).
+    for start in range(0, DS - DS % CHUNK, CHUNK):
+        product = tl.full((BLOCK, R_P2), 1.0, dtype=tl.float32)
+        for i in range(CHUNK):
+            product *= _shifted_factor(x_ptr, delta_ptr, rows, row_ok, head, start + i, q, mask, eps,
+                                       H, DS, KAPPA, R)
+        log_sum += _log_magnitude(product)
+        negatives += (product < 0).to(tl.int32)
+    if DS % CHUNK != 0:  # the last, shorter chunk
+        product = tl.full((BLOCK, R_P2), 1.0, dtype=tl.float32)
+        for d in range(DS - DS % CHUNK, DS):
+            product *= _shifted_factor(x_ptr, delta_ptr, rows, row_ok, head, d, q, mask, eps, H, DS, KAPPA, R)
+        log_sum += _log_magnitude(product)
+        negatives += (product < 0).to(tl.int32)
     sign = 1.0 - 2.0 * (negatives % 2).to(tl.float32)
-    tl.store(modes_ptr + (rows[:, None] * H + head) * R + q[None, :], sign * tl.exp(log_sum), mask=mask)
+    magnitude = tl.exp(log_sum)
+    modes = sign * tl.where(magnitude > mode_max, mode_max, magnitude)
+    tl.store(modes_ptr + (rows[:, None] * H + head) * R + q[None, :], modes, mask=mask)
 
 def modes_backward(x_ptr, delta_ptr, gm_ptr, grad_x_ptr, grad_delta_ptr, n, eps, H: tl.constexpr,
                    DS: tl.constexpr, KAPPA: tl.constexpr, KAPPA_P2: tl.constexpr, R: tl.constexpr,
@@ -111,8 +144,7 @@ def modes_backward(x_ptr, delta_ptr, gm_ptr, grad_x_ptr, grad_delta_ptr, n, eps,
         s2 = 1.0 + tl.load(table + hi[:, None] * R, mask=mask, other=0.0)
         phi = w0[:, None] * s0 + w1[:, None] * s1 + w2[:, None] * s2
         gm = tl.load(gm_ptr + (rows[:, None] * H + head) * R + q[None, :], mask=mask, other=0.0)
-        sign = tl.where(phi > 0, 1.0, tl.where(phi < 0, -1.0, 0.0))
-        grad_phi = gm * sign / (tl.abs(phi) + eps)  # zero on masked rows and modes
+        grad_phi = gm / tl.where(phi < 0, phi - eps, phi + eps)  # gm = 0 on masked rows and modes
         dphi = dw0[:, None] * s0 + dw1[:, None] * s1 + dw2[:, None] * s2
         tl.store(grad_x_ptr + (rows * H + head) * DS + d, tl.sum(grad_phi * dphi, axis=1), mask=row_ok)
         # Off-grid neighbours (clamped onto c) carry weight 0, so they add nothing.
@@ -129,7 +161,7 @@ _JIT_DONE = []
 
 def _jit():
     if not _JIT_DONE:
-        for name in ("_basis", "modes_forward", "modes_backward"):
+        for name in ("_basis", "_shifted_factor", "_log_magnitude", "modes_forward", "modes_backward"):
             globals()[name] = triton.jit(globals()[name])
         _JIT_DONE.append(True)
 
@@ -139,8 +171,13 @@ def _p2(value: int) -> int:
     return max(16, 1 << (value - 1).bit_length())
 
 
+# Kernel launches in this process, by kernel: what a GPU check reads to confirm the fused path ran.
+LAUNCHES = collections.Counter()
+
+
 @torch.library.custom_op("megatron_lev::lev_modes_forward", mutates_args=())
-def modes_forward_op(x: torch.Tensor, delta: torch.Tensor, eps: float) -> torch.Tensor:
+def modes_forward_op(x: torch.Tensor, delta: torch.Tensor, eps: float, chunk: int,
+                     mode_max: float) -> torch.Tensor:
     """One kernel launch: modes [n, h, r] from x [n, h, d_s] and delta [h, d_s, kappa, r]."""
     n, h, ds = x.shape
     kappa, r = delta.shape[2], delta.shape[3]
@@ -148,14 +185,16 @@ def modes_forward_op(x: torch.Tensor, delta: torch.Tensor, eps: float) -> torch.
     _jit()
     if n:
         modes_forward[(triton.cdiv(n, BLOCK_ROWS), h)](
-            x, delta, modes, n, eps, H=h, DS=ds, KAPPA=kappa, R=r, R_P2=_p2(r), BLOCK=BLOCK_ROWS)
+            x, delta, modes, n, eps, mode_max, H=h, DS=ds, KAPPA=kappa, R=r, R_P2=_p2(r), BLOCK=BLOCK_ROWS,
+            CHUNK=chunk)
+        LAUNCHES["forward"] += 1
     return modes
 
 
 @torch.library.custom_op("megatron_lev::lev_modes_backward", mutates_args=())
 def modes_backward_op(x: torch.Tensor, delta: torch.Tensor, grad_times_modes: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One kernel launch: (grad_x, grad_delta) from dL/dM * M [n, h, r]."""
+    """One kernel launch: (grad_x, grad_delta) from dL/dM * M [n, h, r] (0 where |M| is capped)."""
     n, h, ds = x.shape
     kappa, r = delta.shape[2], delta.shape[3]
     grad_x = torch.empty_like(x)
@@ -164,11 +203,12 @@ def modes_backward_op(x: torch.Tensor, delta: torch.Tensor, grad_times_modes: to
     modes_backward[(h * ds,)](
         x, delta, grad_times_modes, grad_x, grad_delta, n, eps, H=h, DS=ds, KAPPA=kappa,
         KAPPA_P2=_p2(kappa), R=r, R_P2=_p2(r), BLOCK=BLOCK_ROWS)
+    LAUNCHES["backward"] += 1
     return grad_x, grad_delta
 
 
 @modes_forward_op.register_fake
-def _(x, delta, eps):
+def _(x, delta, eps, chunk, mode_max):
     return x.new_empty(x.shape[0], x.shape[1], delta.shape[3])
 
 
@@ -179,23 +219,42 @@ def _(x, delta, grad_times_modes, eps):
 
 class _FusedSeparableModes(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, delta, eps):
-        modes = modes_forward_op(x, delta, eps)
+    def forward(ctx, x, delta, eps, chunk, mode_max):
+        modes = modes_forward_op(x, delta, eps, chunk, mode_max)
         ctx.save_for_backward(x, delta, modes)
-        ctx.eps = eps
+        ctx.eps, ctx.mode_max = eps, mode_max
         return modes
 
     @staticmethod
     def backward(ctx, grad_modes):
         x, delta, modes = ctx.saved_tensors
-        grad_x, grad_delta = modes_backward_op(x, delta, (grad_modes.to(torch.float32) * modes).contiguous(),
-                                               ctx.eps)
-        return grad_x, grad_delta, None
+        # dL/dM * M, 0 where the cap binds (generator.mode_gradient_weight, the same rule).
+        weight = torch.where(modes.abs() < ctx.mode_max, grad_modes.to(torch.float32) * modes, 0.0)
+        grad_x, grad_delta = modes_backward_op(x, delta, weight.contiguous(), ctx.eps)
+        return grad_x, grad_delta, None, None, None
 
 
-def separable_modes(x: torch.Tensor, delta: torch.Tensor, eps: float) -> torch.Tensor:
+# Shapes whose backward kernel has run in this process: the first forward of a shape also
+# launches it (on zeros), so a Triton compile or launch failure of either kernel surfaces in
+# forward, where generator.py can still take the PyTorch path for this step and the next.
+_BACKWARD_CHECKED = set()
+
+
+def _compiles(device: torch.device) -> bool:
+    """Whether launching on `device` compiles anything (Triton's interpreter does not)."""
+    return device.type != "cpu"
+
+
+def separable_modes(x: torch.Tensor, delta: torch.Tensor, eps: float, *, chunk: int,
+                    mode_max: float) -> torch.Tensor:
     """lev.separable_modes with the coefficients given as `delta` (S = 1 + delta is formed
     inside the kernels): x [n, h, d_s] float32, delta [h, d_s, kappa, r] -> modes [n, h, r]
-    float32."""
-    return _FusedSeparableModes.apply(x.to(torch.float32).contiguous(), delta.to(torch.float32).contiguous(),
-                                      float(eps))
+    float32. `chunk` and `mode_max` are generator.py's MODE_CHUNK and MODE_MAX."""
+    x, delta = x.to(torch.float32).contiguous(), delta.to(torch.float32).contiguous()
+    modes = _FusedSeparableModes.apply(x, delta, float(eps), int(chunk), float(mode_max))
+    key = (x.device, *delta.shape)
+    if key not in _BACKWARD_CHECKED and _compiles(x.device):
+        with torch.no_grad():
+            modes_backward_op(x.detach(), delta.detach(), torch.zeros_like(modes), float(eps))
+        _BACKWARD_CHECKED.add(key)
+    return modes
