@@ -19,10 +19,13 @@ setup(
     package_data={"megatron_lev": ["configs/*.yaml", "configs/**/*.yaml", "deepspeed_configs/*.json", "hf/*.py"]},
     include_package_data=True,
     install_requires=[
-        # A range that the cluster's own CUDA build satisfies (and 2.13 CPU here).
-        "torch>=2.4,<3",
+        # A range that the cluster's own CUDA build satisfies (and 2.13 CPU here). 2.6: megatron-core
+        # 0.16.1's own floor (the attention's SDPA `enable_gqa` needs 2.5).
+        "torch>=2.6,<3",
         "megatron-core>=0.16.1,<0.20",
-        "deepspeed>=0.16,<0.20",
+        # 0.19.3: the first release with PR #8080 (ZeRO-1/2 overlap_comm gradient-bucket races under
+        # compiled layers, #8061) and the fixes of #7188 (training/validation.py refuses older ones).
+        "deepspeed>=0.19.3,<0.20",
         "numpy>=1.24",
         "pyyaml>=6",
         "sentencepiece>=0.2",

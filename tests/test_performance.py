@@ -49,6 +49,115 @@ def test_compiled_decoder_layers_equal_eager_loss_and_gradients(single_rank):  #
         assert relative_error(grads[name], ref_grads[name]) < 1e-5, name
 
 
+def layer_inputs(config):
+    """A decoder layer's input [s, b, H], RoPE tables and an output gradient (seeded)."""
+    from megatron_lev.models.layers import rotary_cos_sin
+
+    s, b = 16, 2
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(s, b, config.hidden_size, generator=g)
+    cos, sin = rotary_cos_sin(torch.arange(s).unsqueeze(0).expand(b, s), config.kv_channels, config.rotary_base)
+    return x, cos, sin, torch.randn(s, b, config.hidden_size, generator=g)
+
+
+def explain_and_run_layer(tp: int, compiled: bool) -> dict:
+    """torch._dynamo.explain of what `compile_decoder_layers` compiles in one tiny-lev layer
+    (GQA) at this TP size, then its forward + backward (compiled or eager); gradients gathered
+    to their global shapes. Records megatron-core's tp_group warnings."""
+    import hashlib
+    import warnings
+
+    from megatron_lev.models.decoder import gather_tensor_parallel
+    from megatron_lev.models.transformer import DecoderLayer
+
+    config = model_config_from_dict(load_config("tiny-lev")["model"], tensor_model_parallel_size=tp)
+    x, cos, sin, grad = layer_inputs(config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer = DecoderLayer(config, 0)
+        assert compile_decoder_layers(layer) == 1
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(layer.layer_forward)(x, cos, sin)
+        torch._dynamo.reset()
+        if not compiled:
+            layer.compiled_forward = None
+        x = x.requires_grad_()
+        out = layer(x, cos, sin)
+        out.backward(grad)
+    return {"graphs": explained.graph_count, "breaks": explained.graph_break_count,
+            "reasons": [reason.reason.splitlines()[0] for reason in explained.break_reasons],
+            "graph_code": [hashlib.sha256(graph.code.encode()).hexdigest() for graph in explained.graphs],
+            "tp_group_warnings": [str(w.message) for w in caught if "tp_group" in str(w.message)],
+            "still_compiled": layer.compiled_forward is not None, "out": out.detach(), "dx": x.grad,
+            "grads": {name: gather_tensor_parallel(p.grad, p) for name, p in layer.named_parameters()}}
+
+
+def _compiled_layer_at_tp2(rank, world_size):
+    from megatron_lev.distributed.state import initialize_model_parallel
+
+    initialize_model_parallel(tensor_model_parallel_size=2)
+    return explain_and_run_layer(tp=2, compiled=True)
+
+
+def test_a_compiled_layer_is_one_graph_the_same_on_every_rank_and_equals_tp1(single_rank):  # noqa: F811
+    """Issue 22: before, TP=2 gave 10 graphs (9 breaks) on rank 0 and 7 (6) on rank 1:
+    megatron-core's tp_group=None warning (rank 0 only) and the async dgrad all-reduce."""
+    from tests.distributed import run_distributed
+
+    tp1 = explain_and_run_layer(tp=1, compiled=False)
+    assert (tp1["graphs"], tp1["breaks"]) == (1, 0)
+    ranks = run_distributed(_compiled_layer_at_tp2, world_size=2)
+    for rank in ranks:
+        assert (rank["graphs"], rank["breaks"], rank["reasons"]) == (1, 0, [])
+        assert rank["tp_group_warnings"] == [] and rank["still_compiled"]
+        # TP=2 compiled == TP=1 eager (same weights: initialisation does not depend on TP).
+        assert relative_error(rank["out"], tp1["out"]) < 1e-5
+        assert relative_error(rank["dx"], tp1["dx"]) < 1e-5  # the dgrad all-reduce happened
+        for name, grad in tp1["grads"].items():
+            assert relative_error(rank["grads"][name], grad) < 1e-5, name
+    assert ranks[0]["graph_code"] == ranks[1]["graph_code"]  # the same graph around the collectives
+
+
+def test_a_layer_whose_compile_fails_warns_once_and_runs_eagerly(single_rank, monkeypatch):  # noqa: F811
+    import warnings
+
+    from torch._inductor.exc import InductorError
+
+    from megatron_lev.models import transformer
+
+    config, tokens, labels = tiny_model_and_batch()
+    reference = LeviathanModel(config)
+    ref_loss = reference(tokens, labels=labels)
+    model = LeviathanModel(config)
+    compile_decoder_layers(model)
+    calls = []
+
+    def compile_without_a_compiler(*args, **kwargs):
+        calls.append(1)
+        raise InductorError(RuntimeError("InvalidCxxCompiler: No working C++ compiler found"), "tb")
+
+    for layer in model.layers:
+        layer.compiled_forward = compile_without_a_compiler
+    monkeypatch.setattr(transformer, "_compile_failures", [])
+    with pytest.warns(UserWarning) as caught:
+        loss = model(tokens, labels=labels)
+    messages = [str(w.message) for w in caught if "--compile-layers" in str(w.message)]
+    assert len(messages) == 1 and messages[0].startswith(
+        "--compile-layers: torch.compile failed for decoder layer 0, running the layers that fail eagerly "
+        "(same math, slower): InductorError: ")
+    assert "No working C++ compiler" in messages[0]
+    assert torch.equal(loss, ref_loss) and calls == [1] * config.num_layers
+    assert all(layer.compiled_forward is None for layer in model.layers)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="--compile-layers")
+        assert torch.equal(model(tokens, labels=labels), ref_loss)  # no retry, no second warning
+    assert transformer._compile_failures == list(range(config.num_layers))
+    # A model error is not a compiler failure: it propagates.
+    model.layers[0].compiled_forward = lambda *args: (_ for _ in ()).throw(ValueError("shapes"))
+    with pytest.raises(ValueError, match="shapes"):
+        model(tokens, labels=labels)
+
+
 def test_chunked_cross_entropy_equals_megatron_without_a_float32_copy(single_rank, monkeypatch):  # noqa: F811
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 

@@ -326,3 +326,38 @@ def test_validation_runs_every_check_without_a_process_group(tmp_path, tiny_data
     assert main(["--world-size", "2", *good]) == 2  # another run's folder, without --load
     assert capsys.readouterr().err.startswith(f"megatron_lev.train: error: --save {tmp_path / 'run'}: the folder "
                                               "is not empty (metrics.jsonl)")
+
+
+def test_a_deepspeed_with_the_overlap_comm_races_is_refused_for_zero_1_and_2(tmp_path, tiny_dataset, spm_tokenizer,
+                                                                           capsys, monkeypatch):
+    """Issue 22: ZeRO-1/2 + overlap_comm (the Slurm default: zero2.json) on a DeepSpeed older than
+    0.19.3 (PR #8080) is refused at start-up in one line: the version, the fix, the workaround."""
+    import importlib.metadata
+
+    from megatron_lev.training.validation import DEEPSPEED_OVERLAP_COMM_FIXED, main
+
+    from packaging.version import Version
+
+    real_version = importlib.metadata.version
+    assert Version(real_version("deepspeed")) >= Version(DEEPSPEED_OVERLAP_COMM_FIXED)  # this venv's passes
+    installed = {"deepspeed": "0.18.4"}
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: installed.get(name) or real_version(name))
+    good = ["--config", "tiny-lev", "--data-path", tiny_dataset, "--split", "90,5,5", "--tokenizer-type",
+            "SentencePieceTokenizer", "--tokenizer-model", spm_tokenizer, "--train-iters", "4"]
+    zero2_args = args_for("--zero-stage", "2")
+    build_deepspeed_config(zero2_args)
+    zero2 = zero2_args.deepspeed_config_path
+    assert main(["--world-size", "2", *good, "--zero-stage", "2"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "megatron_lev.train: error: DeepSpeed 0.18.4 with ZeRO stage 2 and overlap_comm can corrupt gradients "
+        "(races in its gradient buckets, deepspeedai/DeepSpeed#7188 and #8061, fixed in 0.19.3 by PR #8080): "
+        f"install deepspeed>=0.19.3, or set \"overlap_comm\": false in {zero2} (--deepspeed-config)"]
+    assert main(["--world-size", "2", *good, "--zero-stage", "1"]) == 2  # zero1.json overlaps too
+    assert "with ZeRO stage 1 and overlap_comm" in capsys.readouterr().err
+    # The workaround, ZeRO-3, and a fixed DeepSpeed all start.
+    no_overlap = tmp_path / "zero2_no_overlap.json"
+    no_overlap.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": False}}))
+    assert main(["--world-size", "2", *good, "--deepspeed-config", str(no_overlap)]) == 0
+    assert main(["--world-size", "2", *good, "--zero-stage", "3"]) == 0
+    installed["deepspeed"] = DEEPSPEED_OVERLAP_COMM_FIXED
+    assert main(["--world-size", "2", *good, "--zero-stage", "2"]) == 0

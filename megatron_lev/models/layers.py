@@ -106,8 +106,8 @@ def default_position_ids(input_ids: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(torch.nn.Module):
-    """RMSNorm with a learned scale; apex's fused kernel on CUDA when apex imports, else
-    torch's `F.rms_norm` (fused on CUDA in recent torch, plain ops on CPU)."""
+    """RMSNorm with a learned scale; apex's fused kernel on CUDA when apex imports (eager
+    only), else torch's `F.rms_norm` (fused on CUDA in recent torch, plain ops on CPU)."""
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -115,7 +115,9 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused_rms_norm_affine is not None and x.is_cuda:
+        # Inside a compiled layer torch's op: inductor fuses it with the residual add, where
+        # apex's kernel would be an opaque call (or, in older apex, a graph break).
+        if fused_rms_norm_affine is not None and x.is_cuda and not torch.compiler.is_compiling():
             return fused_rms_norm_affine(x, self.weight, self.weight.shape, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
@@ -126,7 +128,8 @@ class VocabEmbedding(VocabParallelEmbedding):
     def __init__(self, config: LeviathanConfig):
         with init_rng(config.init_seed, "embedding"):
             super().__init__(config.padded_vocab_size, config.hidden_size, config=config,
-                             init_method=_vocab_init(config.init_method, config.vocab_size))
+                             init_method=_vocab_init(config.init_method, config.vocab_size),
+                             tp_group=parallel_state.get_tensor_model_parallel_group())
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().forward(input_ids.t())  # look up [s, b]: no transpose of the output
@@ -151,9 +154,15 @@ class _OneRankAsMatmul:
     sequence parallelism nor fused weight-gradient accumulation) a layer is x @ W^T, so its
     matmul runs as `F.linear` (torch's C++ autograd) rather than megatron-core's Python
     autograd Function, whose backward costs about 0.2 ms a layer on CPU. The module is still
-    called as usual, so DeepSpeed's hooks (ZeRO-3's parameter gathering) run."""
+    called as usual, so DeepSpeed's hooks (ZeRO-3's parameter gathering) run.
+
+    The tensor-parallel group is passed explicitly, at construction and on every call:
+    megatron-core warns (on global rank 0 only) when it has to look it up itself, and inside a
+    compiled layer each warning is a graph break on that rank alone, so ranks would compile
+    different graphs around the same collectives (RowParallelLinear.forward passes None)."""
 
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("tp_group", parallel_state.get_tensor_model_parallel_group())
         super().__init__(*args, **kwargs)
         config = self.config
         self.one_rank_matmul = (parallel_state.get_tensor_model_parallel_world_size() == 1
@@ -163,6 +172,8 @@ class _OneRankAsMatmul:
     def _forward_impl(self, input, weight, *args, bias=None, **kwargs):
         if self.one_rank_matmul:
             return F.linear(input, weight, bias)
+        if kwargs.get("tp_group") is None:
+            kwargs["tp_group"] = self.tp_group
         return super()._forward_impl(input, weight, *args, bias=bias, **kwargs)
 
 

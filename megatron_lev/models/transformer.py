@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -99,10 +101,37 @@ class DecoderLayer(torch.nn.Module):
             self.attention = SelfAttention(config)
             self.mlp_norm = RMSNorm(config.hidden_size, config.layernorm_epsilon, config.params_dtype)
             self.mlp = SwiGLUMLP(config)
+        self.compiled_forward = None
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.compiled_forward is not None:
+            try:
+                return self.compiled_forward(hidden, cos, sin)
+            except Exception as exc:
+                if not is_compiler_failure(exc):
+                    raise
+                self.compiled_forward = None  # this layer runs eagerly from now on
+                _warn_compile_failure(self.layer_number, exc)
+        return self.layer_forward(hidden, cos, sin)
+
+    def layer_forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The layer's math (what `compile` compiles)."""
         hidden = hidden + self._dropout(self.attention(self.input_norm(hidden), cos, sin))
         return hidden + self._dropout(self.mlp(self.mlp_norm(hidden)))
+
+    def compile(self, **kwargs) -> None:
+        """Compile `layer_forward` with torch.compile (`forward` then runs it; it falls back to
+        `layer_forward`, with one warning per process, when Inductor or Triton cannot compile).
+
+        At TP > 1 without SP the column-parallel layers all-reduce their input gradient with
+        megatron-core's synchronous copy-to-TP mapping instead of its `async_op=True` all-reduce,
+        which dynamo cannot trace (a graph break on every rank): the compiled layer is then one
+        graph on every rank, the same graph. The eager path keeps the async all-reduce, which
+        overlaps the weight-gradient matmul."""
+        for module in self.modules():
+            if isinstance(module, ColumnLinear) and module.allreduce_dgrad:
+                module.allreduce_dgrad = False
+        self.compiled_forward = torch.compile(self.layer_forward, **kwargs)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         p = self.config.hidden_dropout
@@ -120,3 +149,25 @@ def compile_decoder_layers(module: torch.nn.Module) -> int:
     for layer in layers:
         layer.compile(dynamic=False)
     return len(layers)
+
+
+def is_compiler_failure(exc: BaseException) -> bool:
+    """Whether `exc` says the compiler toolchain failed (Inductor's backend, Triton's build of a
+    kernel or its launcher: no C compiler, no Python.h), rather than the model."""
+    from torch._dynamo.exc import BackendCompilerFailed  # Inductor's InductorError is one
+
+    if isinstance(exc, (BackendCompilerFailed, subprocess.CalledProcessError)):
+        return True
+    return type(exc).__module__.startswith("triton") or any(
+        text in str(exc) for text in ("C compiler", "C++ compiler", "Python.h"))
+
+
+_compile_failures = []
+
+
+def _warn_compile_failure(layer_number: int, exc: BaseException) -> None:
+    _compile_failures.append(layer_number)
+    if len(_compile_failures) == 1:
+        first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+        warnings.warn(f"--compile-layers: torch.compile failed for decoder layer {layer_number}, running the "
+                      f"layers that fail eagerly (same math, slower): {type(exc).__name__}: {first_line}")

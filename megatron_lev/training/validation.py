@@ -2,8 +2,8 @@
 
     run = validate_run(argv, world_size, rank)    # ConfigError / ValueError / FileNotFoundError
 
-In order: the flags over the YAML and the job size (arguments.py); the DeepSpeed config; the
-datasets (paths, blends, every split has documents); the tokenizer, the vocabulary it gives
+In order: the flags over the YAML and the job size (arguments.py); the DeepSpeed config and
+the installed DeepSpeed's known bugs for it; the datasets (paths, blends, every split has documents); the tokenizer, the vocabulary it gives
 the model and the ids the data holds; that the data was tokenized with this tokenizer; the
 --save folder; and, when --load names a checkpoint, that its model, tokenizer, seed,
 parallel layout and LR schedule agree with this run. The trainer (megatron_lev/train.py)
@@ -55,6 +55,7 @@ def validate_run(argv=None, world_size: int = 1, rank: int = 0) -> Run:
     args = parse_args(argv)
     validate_args(args, world_size)
     ds_config = build_deepspeed_config(args)
+    check_deepspeed_version(ds_config, args.deepspeed_config_path)
     plan = plan_datasets(**dataset_arguments(args))
     prefixes = data_prefixes(args, plan)
     if not os.path.exists(args.tokenizer_model):
@@ -76,6 +77,37 @@ def validate_run(argv=None, world_size: int = 1, rank: int = 0) -> Run:
         if run.resume_tag is not None:
             run.layout_changes = check_resume(args, run.resume_tag, config, rank)
     return run
+
+
+# The first DeepSpeed release whose ZeRO-1/2 gradient buckets wait for every stream that
+# filled them (deepspeedai/DeepSpeed PR #8080, fixing #8061: compiled backward hooks on several
+# streams, NaN from step 1); it also has the fixes of #7188 (0.17.2-0.18.4: loss goes to 0).
+DEEPSPEED_OVERLAP_COMM_FIXED = "0.19.3"
+
+
+def check_deepspeed_version(ds_config: dict, source: str, installed: Optional[str] = None) -> None:
+    """ZeRO stage 1 or 2 with overlap_comm on a DeepSpeed older than DEEPSPEED_OVERLAP_COMM_FIXED
+    is refused: its gradient-bucket races silently corrupt gradients. `source`: the DeepSpeed
+    JSON's path; `installed`: the version to check (default: the installed distribution's;
+    nothing to check without one)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    zero = ds_config.get("zero_optimization") or {}
+    if zero.get("stage", 0) not in (1, 2) or not zero.get("overlap_comm", False):
+        return
+    if installed is None:
+        try:
+            installed = version("deepspeed")
+        except PackageNotFoundError:
+            return
+    if Version(installed) < Version(DEEPSPEED_OVERLAP_COMM_FIXED):
+        raise ConfigError(
+            f"DeepSpeed {installed} with ZeRO stage {zero['stage']} and overlap_comm can corrupt gradients (races in "
+            f"its gradient buckets, deepspeedai/DeepSpeed#7188 and #8061, fixed in {DEEPSPEED_OVERLAP_COMM_FIXED} by "
+            f"PR #8080): install deepspeed>={DEEPSPEED_OVERLAP_COMM_FIXED}, or set \"overlap_comm\": false in "
+            f"{source} (--deepspeed-config)")
 
 
 def build_model_config(args):
