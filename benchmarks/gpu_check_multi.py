@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Checks for a node with 2 or more GPUs, under torchrun/NCCL (run by benchmarks/gpu_check_multi.sh):
+"""Checks for a node with 2 or more GPUs, under torchrun/NCCL (run by benchmarks/gpu_check_multi.sh);
+with one process (one GPU) only the throughput stage runs, the others say "needs >= 2 GPUs":
 
 1. tensor_parallel: the Leviathan decoder at TP=2 against TP=1 on the same weights and batch
    (lev-1.2b's width at 2 layers; float32 and bf16): logits, loss and every gradient (TP=2
@@ -7,11 +8,11 @@
    has, at TP=2 (its reduce-scatter over the TP group) against TP=1 without it: output and
    generator gradients. The SP branch needs CUDA (gloo has no reduce-scatter): on CPU it is
    reported as skipped.
-2. data_parallel: DP=N bf16 training with the trainer's engine (build_engine) and the
-   DeepSpeed config the Slurm scripts pass, against one GPU running the same global batch by
-   gradient accumulation (`--stage reference`, run first in its own process): loss and global
-   gradient norm of the first steps. Gradients reduced in fp32 keep the norms equal to about
-   1e-6 relative; reduced in bf16 they differ by about 1e-3.
+2. data_parallel: DP=N bf16 training with the trainer's engine (build_engine), compiled layers
+   and the DeepSpeed config the Slurm scripts pass (ZeRO-2 with overlap_comm), against one GPU
+   running the same global batch by gradient accumulation (`--stage reference`, run first in
+   its own process): loss and global gradient norm of the first steps. Gradients reduced in
+   fp32 keep the norms equal to about 1e-6 relative; reduced in bf16 they differ by about 1e-3.
 3. throughput: lev-1.2b and tied-1.2b trained data-parallel over all the node's GPUs exactly as
    `slurm/train_lev_1b.sh` / `train_tied_1b.sh` run them (their DRY_RUN command: global batch,
    the micro-batch their batch arithmetic picks, gradient accumulation, DeepSpeed config, bf16):
@@ -32,11 +33,7 @@ import gc
 import json
 import math
 import os
-import shlex
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -44,9 +41,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_train  # noqa: E402  (benchmarks/ is not a package)
-from gpu_check import gpu_variant, save_partial  # noqa: E402
+from gpu_check import (build_trainer_engine, gpu_variant, optimizer_step, save_partial,  # noqa: E402
+                       slurm_train_argv, train_kind)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Max |TP=2 - TP=1| / max |TP=1| allowed: float32 sums in another order; bf16 rounds the
 # partial sums of each TP rank before they are added.
@@ -158,65 +155,6 @@ def lev_sequence_parallel_check(section: dict, ids: torch.Tensor) -> dict:
     return result
 
 
-# --------------------------------------------------------------------------- trainer engines
-
-
-def slurm_train_argv(script: str, gpus: int, gpu_type: str, config: str | None = None) -> list[str]:
-    """The trainer flags `slurm/<script>` passes on one node of `gpus` GPUs (its DRY_RUN
-    command, data files stubbed: the checks feed their own batches)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        for suffix in (".bin", ".idx", ".model"):
-            open(os.path.join(tmp, "stub" + suffix), "w").close()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-        env.update(DRY_RUN="1", NODES="1", GPUS_PER_NODE=str(gpus), GPU_TYPE=gpu_type, DATA_PATH=f"{tmp}/stub",
-                   TOKENIZER_MODEL=f"{tmp}/stub.model", CHECKPOINT_DIR=f"{tmp}/ckpt", VIRTUAL_ENV=sys.prefix,
-                   PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
-        for name in ("MICRO_BATCH", "GLOBAL_BATCH", "TP", "PP", "SEQ_LENGTH", "BF16", "EXTRA_ARGS", "CONFIG",
-                     "EXIT_INTERVAL"):
-            env.pop(name, None)
-        if config:
-            env["CONFIG"] = config
-        proc = subprocess.run(["bash", os.path.join(REPO, "slurm", script)], env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"slurm/{script} DRY_RUN failed: {proc.stderr.strip()}")
-    (line,) = {l for l in proc.stdout.splitlines() if l.startswith("torchrun ")}
-    argv = shlex.split(line)
-    argv = argv[argv.index("megatron_lev.train") + 1:]
-    # No checkpoints, no logs: the checks measure steps only.
-    for flag in ("--save", "--load", "--tensorboard-dir"):
-        i = argv.index(flag)
-        del argv[i:i + 2]
-    return argv
-
-
-def build_trainer_engine(argv: list[str], world_size: int, overrides: dict | None = None):
-    """(args, model_config, engine) exactly as megatron_lev.train builds them."""
-    from megatron_lev.training.arguments import parse_args, validate_args
-    from megatron_lev.training.ds_config import build_deepspeed_config
-    from megatron_lev.training.engine import build_engine
-    from megatron_lev.training.validation import build_model_config
-
-    for flag, value in (overrides or {}).items():
-        argv = [*argv, flag] + ([str(value)] if value != "" else [])
-    args = validate_args(parse_args(argv), world_size=world_size)
-    model_config = build_model_config(args)
-    return args, model_config, build_engine(args, model_config, build_deepspeed_config(args))
-
-
-def optimizer_step(engine, batches: list[dict]) -> torch.Tensor:
-    """One optimizer step over `batches` (its micro-batches, accumulated), as the trainer's
-    train_step runs it; returns the mean micro-batch loss."""
-    from megatron_lev.training.batches import model_inputs
-
-    losses = []
-    for b in batches:
-        loss = engine(b["tokens"], **model_inputs(b))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach().float())
-    return torch.stack(losses).mean()
-
-
 # --------------------------------------------------------------------------- 2. data parallel
 
 DP_STEPS = 3
@@ -227,10 +165,12 @@ def dp_setup(tiny: bool, dp_size: int) -> tuple[list[str], dict, int]:
     at a reduced depth, global batch = dp_size micro-batches."""
     micro = 2
     argv = slurm_train_argv("train_lev_1b.sh", dp_size, "h100", "tiny-lev" if tiny else None)
-    # Eager layers: the check is about the gradient reduction, and compiling would take its time.
-    overrides = {"--micro-batch-size": micro, "--global-batch-size": micro * dp_size, "--lr-warmup-iters": 0,
-                 "--no-compile-layers": ""}
-    if not tiny:
+    overrides = {"--micro-batch-size": micro, "--global-batch-size": micro * dp_size, "--lr-warmup-iters": 0}
+    if tiny:  # on CPU, compiling would take most of the run
+        overrides["--no-compile-layers"] = ""
+    else:
+        # Compiled layers, as the Slurm scripts run them: ZeRO-2's overlap_comm with compiled
+        # backward hooks on several streams is where DeepSpeed's bucket races were (#8061).
         overrides["--num-layers"] = 4
     return argv, overrides, micro
 
@@ -287,54 +227,19 @@ def data_parallel_check(reference: dict, tiny: bool, device) -> dict:
 def throughput_check(tiny: bool, gpu: dict, device, steps: int) -> dict:
     """lev-1.2b and tied-1.2b as the Slurm scripts run them on this node (data-parallel over
     every process of the job), one after the other: step time, tokens/s, MFU, memory."""
-    from megatron_lev.training.flops import flops_model, training_flops
-
     world, rank = dist.get_world_size(), dist.get_rank()
     peak = gpu["peak_tflops"] * 1e12 if gpu["peak_tflops"] else None
     report = {"kinds": {}}
     for kind, script in (("lev", "train_lev_1b.sh"), ("tied", "train_tied_1b.sh")):
         argv = slurm_train_argv(script, world, gpu["gpu_type"] or "h100", f"tiny-{kind}" if tiny else None)
         # On CPU (--tiny) torch.compile of the layers would take most of the run's time.
-        args, model_config, engine = build_trainer_engine(argv, world, {"--no-compile-layers": ""} if tiny else None)
-        acc, micro, seq = args.gradient_accumulation_steps, args.micro_batch_size, args.seq_length
-        windows = bench_train.zipf_batches(model_config.vocab_size, micro, seq, (steps + 1) * acc, seed=100 + rank)
-        batches = [bench_train.as_inputs(w, device, model_config.vocab_size) for w in windows]
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        optimizer_step(engine, batches[:acc])  # warm-up (and Adam's moments allocated)
-        times = []
-        for s in range(1, steps + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = optimizer_step(engine, batches[s * acc:(s + 1) * acc])
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        step_time = statistics.median(times)
-        fm = flops_model(model_config, seq)
-        distinct = [int(torch.unique(b["tokens"]).numel()) if kind == "lev" else 0 for b in batches[acc:]]
-        flops = sum(training_flops(fm, micro * seq, d) for d in distinct) / steps  # this rank, per step
-        result = {"global_batch_size": args.global_batch_size, "micro_batch_size": micro,
-                  "gradient_accumulation_steps": acc, "seq_length": seq, "data_parallel_size": world,
-                  "bf16": bool(args.bf16), "deepspeed_config": args.deepspeed_config,
-                  "step_time_s_median": step_time, "step_times_s": times,
-                  "tokens_per_s": args.global_batch_size * seq / step_time,
-                  "model_tflops_per_s_per_gpu": flops / step_time / 1e12,
-                  "mfu": flops / step_time / peak if peak else None, "final_loss": float(loss)}
-        if device.type == "cuda":
-            result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        result = train_kind(kind, argv, world, rank, device, peak, steps, {"--no-compile-layers": ""} if tiny else None)
         report["kinds"][kind] = result
-        log(f"{kind}: {1000 * step_time:.0f} ms/step (accumulation {acc} x micro-batch {micro}), "
-            f"MFU {result['mfu']}")
-        del engine
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        log(f"{kind}: {1000 * result['step_time_s_median']:.0f} ms/step (accumulation "
+            f"{result['gradient_accumulation_steps']} x micro-batch {result['micro_batch_size']}), MFU {result['mfu']}")
     report["lev_over_tied_step_time"] = (report["kinds"]["lev"]["step_time_s_median"]
                                          / report["kinds"]["tied"]["step_time_s_median"])
-    report["ok"] = all(math.isfinite(k["final_loss"]) for k in report["kinds"].values())
+    report["ok"] = all(all(math.isfinite(loss) for loss in k["losses"]) for k in report["kinds"].values())
     return report
 
 
@@ -348,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", choices=("reference", "checks"), default="checks",
                    help="reference: the 1-GPU run of the DP check (one process, before torchrun)")
     p.add_argument("--dp-size", type=int, help="reference: the data-parallel size it stands in for")
-    p.add_argument("--reference", required=True, help="the reference stage's JSON")
+    p.add_argument("--reference", help="the reference stage's JSON (needed with 2+ processes)")
     p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per kind (throughput)")
     p.add_argument("--output", help="rank 0 writes the JSON here after every stage")
     return p
@@ -379,15 +284,19 @@ def main(argv=None) -> dict:
             json.dump(result, f)
         return {**result, "ok": True}
 
-    with open(args.reference, encoding="utf-8") as f:
-        reference = json.load(f)
     launch = init_distributed()  # torchrun's environment; nccl on GPUs
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world < 2 or world % 2:
-        raise SystemExit(f"gpu_check_multi.py: error: needs an even number >= 2 of processes, got {world}")
-    if reference.get("world_size") != 1 or len(reference.get("losses", ())) != DP_STEPS:
-        raise SystemExit(f"gpu_check_multi.py: error: {args.reference} is not a --stage reference result")
+    if world > 1 and world % 2:
+        raise SystemExit(f"gpu_check_multi.py: error: needs 1 or an even number of processes, got {world}")
+    reference = None
+    if world > 1:
+        if not args.reference:
+            raise SystemExit("gpu_check_multi.py: error: --reference (the --stage reference JSON) is needed at 2+ GPUs")
+        with open(args.reference, encoding="utf-8") as f:
+            reference = json.load(f)
+        if reference.get("world_size") != 1 or len(reference.get("losses", ())) != DP_STEPS:
+            raise SystemExit(f"gpu_check_multi.py: error: {args.reference} is not a --stage reference result")
     gpu = gpu_variant(torch.cuda.get_device_name(device)) if device.type == "cuda" else gpu_variant("")
     report = {"check": "gpu_check_multi", "environment": bench_train.environment(device), **gpu,
               "processes": world, "launcher": launch.launcher, "stages_done": []}
@@ -397,6 +306,10 @@ def main(argv=None) -> dict:
         ("data_parallel", lambda: data_parallel_check(reference, args.tiny, device)),
         ("throughput", lambda: throughput_check(args.tiny, gpu, device, args.steps)),
     )
+    if world == 1:  # one GPU: its single-GPU part (the Slurm scripts' per-GPU work); the rest needs two
+        for name in ("tensor_parallel", "data_parallel"):
+            report[name] = {"skipped": "needs >= 2 GPUs", "ok": True}
+        stages = stages[2:]
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON only (DeepSpeed prints)
             for name, run in stages:
@@ -409,6 +322,7 @@ def main(argv=None) -> dict:
     except KeyboardInterrupt:  # gpu_check_multi.sh's time limit: keep what was measured
         report["interrupted"] = "time limit"
     report["ok"] = len(report["stages_done"]) == len(stages) and all(report[n]["ok"] for n, _ in stages)
+    report["finished"] = True
     report["wall_s"] = time.time() - started
     if rank == 0:
         bench_train.print_json(report, args.output)

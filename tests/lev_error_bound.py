@@ -51,7 +51,7 @@ def _basis64(x32: torch.Tensor, kappa: int):
     e_w = (e_raw + w * e_total) / total + U * w
     k1 = kappa - 1
     draw = torch.stack(((t0 - 0.5) * low * k1, -2.0 * t0 * k1, (t0 + 0.5) * high * k1), -1)
-    e_draw = torch.stack(((k1 * (e_t0 + U * (t0 - 0.5).abs())) * low, 2 * k1 * e_t0, (k1 * (e_t0 + U * b.abs())) * high),
+    e_draw = torch.stack(((k1 * (e_t0 + U * a.abs())) * low, 2 * k1 * e_t0, (k1 * (e_t0 + U * b.abs())) * high),
                          -1) + U * draw.abs()
     dsum = draw.sum(-1, keepdim=True)
     e_dsum = e_draw.sum(-1, keepdim=True) + 2 * U * draw.abs().sum(-1, keepdim=True)

@@ -3,10 +3,10 @@
     run = validate_run(argv, world_size, rank)    # ConfigError / ValueError / FileNotFoundError
 
 In order: the flags over the YAML and the job size (arguments.py); the DeepSpeed config and
-the installed DeepSpeed's known bugs for it; the datasets (paths, blends, every split has documents); the tokenizer, the vocabulary it gives
-the model and the ids the data holds; that the data was tokenized with this tokenizer; the
---save folder; and, when --load names a checkpoint, that its model, tokenizer, seed,
-parallel layout and LR schedule agree with this run. The trainer (megatron_lev/train.py)
+the installed DeepSpeed's known bugs for it; the datasets (paths, blends, every split has
+documents); the tokenizer, the vocabulary it gives the model and the ids the data holds;
+that the data was tokenized with this tokenizer; the --save folder; and, when --load names a
+checkpoint, that its model, tokenizer, seed, parallel layout and LR schedule agree with this run. The trainer (megatron_lev/train.py)
 builds nothing until this returns; the Slurm scripts' dry run calls the same checks at
 submit time:
 
