@@ -68,9 +68,9 @@ def use_fused_stand_in() -> None:
     lev.FUSED_MODES_DEVICES = ("cuda", "cpu")
     lev_kernels.available = lambda device: True
     lev_kernels.modes_forward_op.register_kernel("cpu")(
-        lambda x, delta, eps: x.new_zeros(x.shape[0], x.shape[1], delta.shape[3]))
+        lambda x, delta, eps, chunk, mode_max: x.new_zeros(x.shape[0], x.shape[1], delta.shape[3]))
     lev_kernels.modes_backward_op.register_kernel("cpu")(
-        lambda x, delta, gm, eps: (torch.zeros_like(x), torch.zeros_like(delta)))
+        lambda x, delta, grad_modes, modes, eps, mode_max: (torch.zeros_like(x), torch.zeros_like(delta)))
 
 
 def count(step) -> dict:

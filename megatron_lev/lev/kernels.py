@@ -121,7 +121,7 @@ def modes_forward(x_ptr, delta_ptr, modes_ptr, n, eps, mode_max, H: tl.constexpr
     modes = sign * tl.where(magnitude > mode_max, mode_max, magnitude)
     tl.store(modes_ptr + (rows[:, None] * H + head) * R + q[None, :], modes, mask=mask)
 
-def modes_backward(x_ptr, delta_ptr, gm_ptr, grad_x_ptr, grad_delta_ptr, n, eps, H: tl.constexpr,
+def modes_backward(x_ptr, delta_ptr, grad_ptr, modes_ptr, grad_x_ptr, grad_delta_ptr, n, eps, mode_max, H: tl.constexpr,
                    DS: tl.constexpr, KAPPA: tl.constexpr, KAPPA_P2: tl.constexpr, R: tl.constexpr,
                    R_P2: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
@@ -143,8 +143,11 @@ def modes_backward(x_ptr, delta_ptr, gm_ptr, grad_x_ptr, grad_delta_ptr, n, eps,
         s1 = 1.0 + tl.load(table + c[:, None] * R, mask=mask, other=0.0)
         s2 = 1.0 + tl.load(table + hi[:, None] * R, mask=mask, other=0.0)
         phi = w0[:, None] * s0 + w1[:, None] * s1 + w2[:, None] * s2
-        gm = tl.load(gm_ptr + (rows[:, None] * H + head) * R + q[None, :], mask=mask, other=0.0)
-        grad_phi = gm / tl.where(phi < 0, phi - eps, phi + eps)  # gm = 0 on masked rows and modes
+        at = (rows[:, None] * H + head) * R + q[None, :]
+        modes = tl.load(modes_ptr + at, mask=mask, other=0.0)
+        # dL/dM * M, 0 where |M| is capped (generator.mode_gradient_weight) and on masked rows and modes.
+        gm = tl.where(tl.abs(modes) < mode_max, tl.load(grad_ptr + at, mask=mask, other=0.0) * modes, 0.0)
+        grad_phi = gm / tl.where(phi < 0, phi - eps, phi + eps)
         dphi = dw0[:, None] * s0 + dw1[:, None] * s1 + dw2[:, None] * s2
         tl.store(grad_x_ptr + (rows * H + head) * DS + d, tl.sum(grad_phi * dphi, axis=1), mask=row_ok)
         # Off-grid neighbours (clamped onto c) carry weight 0, so they add nothing.
@@ -192,16 +195,16 @@ def modes_forward_op(x: torch.Tensor, delta: torch.Tensor, eps: float, chunk: in
 
 
 @torch.library.custom_op("megatron_lev::lev_modes_backward", mutates_args=())
-def modes_backward_op(x: torch.Tensor, delta: torch.Tensor, grad_times_modes: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One kernel launch: (grad_x, grad_delta) from dL/dM * M [n, h, r] (0 where |M| is capped)."""
+def modes_backward_op(x: torch.Tensor, delta: torch.Tensor, grad_modes: torch.Tensor, modes: torch.Tensor,
+                      eps: float, mode_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One kernel launch: (grad_x, grad_delta) from dL/dM and M [n, h, r] (float32, contiguous)."""
     n, h, ds = x.shape
     kappa, r = delta.shape[2], delta.shape[3]
     grad_x = torch.empty_like(x)
     grad_delta = torch.empty_like(delta)
     _jit()
     modes_backward[(h * ds,)](
-        x, delta, grad_times_modes, grad_x, grad_delta, n, eps, H=h, DS=ds, KAPPA=kappa,
+        x, delta, grad_modes, modes, grad_x, grad_delta, n, eps, mode_max, H=h, DS=ds, KAPPA=kappa,
         KAPPA_P2=_p2(kappa), R=r, R_P2=_p2(r), BLOCK=BLOCK_ROWS)
     LAUNCHES["backward"] += 1
     return grad_x, grad_delta
@@ -213,7 +216,7 @@ def _(x, delta, eps, chunk, mode_max):
 
 
 @modes_backward_op.register_fake
-def _(x, delta, grad_times_modes, eps):
+def _(x, delta, grad_modes, modes, eps, mode_max):
     return torch.empty_like(x), torch.empty_like(delta)
 
 
@@ -228,9 +231,8 @@ class _FusedSeparableModes(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_modes):
         x, delta, modes = ctx.saved_tensors
-        # dL/dM * M, 0 where the cap binds (generator.mode_gradient_weight, the same rule).
-        weight = torch.where(modes.abs() < ctx.mode_max, grad_modes.to(torch.float32) * modes, 0.0)
-        grad_x, grad_delta = modes_backward_op(x, delta, weight.contiguous(), ctx.eps)
+        grad_x, grad_delta = modes_backward_op(x, delta, grad_modes.to(torch.float32).contiguous(), modes, ctx.eps,
+                                               ctx.mode_max)
         return grad_x, grad_delta, None, None, None
 
 
@@ -255,6 +257,7 @@ def separable_modes(x: torch.Tensor, delta: torch.Tensor, eps: float, *, chunk: 
     key = (x.device, *delta.shape)
     if key not in _BACKWARD_CHECKED and _compiles(x.device):
         with torch.no_grad():
-            modes_backward_op(x.detach(), delta.detach(), torch.zeros_like(modes), float(eps))
+            modes_backward_op(x.detach(), delta.detach(), torch.zeros_like(modes), modes.detach(), float(eps),
+                              float(mode_max))
         _BACKWARD_CHECKED.add(key)
     return modes
