@@ -8,7 +8,8 @@
 #   - this project, from the working tree (tracked files, as they are now);
 #   - their dependencies the image lacks: hjson, pydantic (pydantic-core, annotated-types,
 #     typing-inspection, typing-extensions), einops, msgpack, psutil, py-cpuinfo, packaging,
-#     zstandard, orjson.
+#     zstandard, orjson;
+#   - pytest (iniconfig, pluggy, pygments), which runs the CUDA kernel tests.
 # It prints the folder's size, which must stay under 50 MiB (copied beside the code).
 #
 #   bash benchmarks/gpu_wheels.sh [FOLDER]              # default: runs/gpu_wheels
@@ -43,7 +44,7 @@ target=(--only-binary=:all: --python-version "$py_version" --implementation cp -
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 # Small, with their dependencies (none of them pulls torch).
 "$build" -m pip download -q "${target[@]}" -d "$folder" hjson pydantic einops msgpack psutil py-cpuinfo \
-    "packaging>=24.2" zstandard orjson >&2 || die "pip download of the dependencies failed"
+    "packaging>=24.2" zstandard orjson pytest >&2 || die "pip download of the dependencies failed"
 # megatron-core's own dependencies are torch, numpy (the image's) and packaging (above).
 "$build" -m pip download -q "${target[@]}" --no-deps -d "$folder" "megatron-core==$megatron_core_version" >&2 \
     || die "pip download megatron-core==$megatron_core_version failed"

@@ -12,12 +12,14 @@ same float32 x [n, h, d_s] and delta [h, d_s, kappa, r]:
 Standard model: every float32 operation is exact times (1 + e) with |e| <= u = 2^-24, a log adds
 an absolute error of at most (|log| + t) u and an exp a relative error of at most (|arg| + t) u,
 with t the ulps of the device's transcendental functions (CPU 4: Sleef and numpy; CUDA 8:
-Triton's fast exp2/log2 approximations). Each quantity's bound E is propagated to first order
-with the usual rules (E(a + b) = E(a) + E(b) + u|a + b|, E(ab) = |b|E(a) + |a|E(b) + u|ab|, ...);
-sums of k terms take gamma_(k-1) * sum |terms|, which holds for any order of summation (BLAS's,
-the kernels' blocked `tl.dot`s). The bound is componentwise: |computed - exact| <= E for every
-mode and every gradient entry, on either path. Valid while no chunk product leaves float32's
-normal range and no mode sits within its error of MODE_MAX (`check_domain` says so).
+Triton's fast exp2/log2 approximations), and a division a relative error of at most q u (CPU 1:
+IEEE division; CUDA 4: Triton's float32 division is div.full, within 2 ulps). Each quantity's
+bound E is propagated to first order with the usual rules (E(a + b) = E(a) + E(b) + u|a + b|,
+E(ab) = |b|E(a) + |a|E(b) + u|ab|, ...); sums of k terms take gamma_(k-1) * sum |terms|, which
+holds for any order of summation (BLAS's, the kernels' blocked `tl.dot`s). The bound is
+componentwise: |computed - exact| <= E for every mode and every gradient entry, on either path.
+Valid while no chunk product leaves float32's normal range and no mode sits within its error of
+MODE_MAX (`check_domain` says so).
 """
 from __future__ import annotations
 
@@ -27,9 +29,10 @@ from megatron_lev.lev import generator as lev
 
 U = 2.0**-24
 TRANSCENDENTAL_ULPS = {"cpu": 4.0, "cuda": 8.0}
+DIVISION_ULPS = {"cpu": 1.0, "cuda": 4.0}
 
 
-def _basis64(x32: torch.Tensor, kappa: int):
+def _basis64(x32: torch.Tensor, kappa: int, q: float):
     """Exact (float64) weights, derivatives and their bounds at the float32 path's nearest knot."""
     f64 = torch.float64
     # The nearest knot exactly as both paths compute it (float32); the spline is continuous
@@ -48,7 +51,7 @@ def _basis64(x32: torch.Tensor, kappa: int):
     total = raw.sum(-1, keepdim=True)
     e_total = e_raw.sum(-1, keepdim=True) + 2 * U * total
     w = raw / total
-    e_w = (e_raw + w * e_total) / total + U * w
+    e_w = (e_raw + w * e_total) / total + q * U * w
     k1 = kappa - 1
     draw = torch.stack(((t0 - 0.5) * low * k1, -2.0 * t0 * k1, (t0 + 0.5) * high * k1), -1)
     e_draw = torch.stack(((k1 * (e_t0 + U * a.abs())) * low, 2 * k1 * e_t0, (k1 * (e_t0 + U * b.abs())) * high),
@@ -58,7 +61,7 @@ def _basis64(x32: torch.Tensor, kappa: int):
     num = draw - w * dsum
     e_num = e_draw + e_w * dsum.abs() + w * e_dsum + U * (w * dsum).abs() + U * num.abs()
     dw = num / total
-    e_dw = (e_num + dw.abs() * e_total) / total + U * dw.abs()
+    e_dw = (e_num + dw.abs() * e_total) / total + q * U * dw.abs()
     knots = (center.long().unsqueeze(-1) + torch.arange(-1, 2)).clamp_(0, kappa - 1)  # [n, h, d, 3]
     return knots, w, e_w, dw, e_dw
 
@@ -69,10 +72,10 @@ def mode_product_bounds(x: torch.Tensor, delta: torch.Tensor, grad_modes: torch.
     {"modes", "modes_bound", "grad_x", "grad_x_bound", "grad_delta", "grad_delta_bound",
     "log_sums", "log_sum_bound", "chunk_log_magnitudes"}."""
     x, delta, g = (t.detach().cpu() for t in (x, delta, grad_modes))
-    t = TRANSCENDENTAL_ULPS[device_type]
+    t, q = TRANSCENDENTAL_ULPS[device_type], DIVISION_ULPS[device_type]
     n, h, ds = x.shape
     kappa, r = delta.shape[2], delta.shape[3]
-    knots, w, e_w, dw, e_dw = _basis64(x.to(torch.float32), kappa)  # [n, h, d, 3]
+    knots, w, e_w, dw, e_dw = _basis64(x.to(torch.float32), kappa, q)  # [n, h, d, 3]
     s32 = 1.0 + delta.to(torch.float32)  # both paths round S = 1 + delta once
     s = s32.to(torch.float64)
     e_s = U * s.abs()
@@ -108,7 +111,8 @@ def mode_product_bounds(x: torch.Tensor, delta: torch.Tensor, grad_modes: torch.
     gm = g64 * modes * uncapped
     e_gm = (g64.abs() * e_modes + U * gm.abs()) * uncapped
     grad_phi = gm.unsqueeze(2) / shifted  # [n, h, d, r]
-    e_grad_phi = (e_gm.unsqueeze(2) + grad_phi.abs() * e_shifted) / shifted.abs() + 2 * U * grad_phi.abs()
+    # CPU: 1 / phi' then a product (2 u); the kernel divides (q u).
+    e_grad_phi = (e_gm.unsqueeze(2) + grad_phi.abs() * e_shifted) / shifted.abs() + max(2, q) * U * grad_phi.abs()
     # grad_delta[l, d, j, q] = sum_n w_j G: scatter the 3 knots onto the kappa grid, sum over rows.
     dense = torch.zeros(n, h, ds, kappa, dtype=torch.float64)
     dense_abs_e = torch.zeros_like(dense)

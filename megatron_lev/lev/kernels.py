@@ -2,7 +2,7 @@
 
     modes = separable_modes(x, delta, eps)   # x [n, h, d_s] in [0, 1], delta [h, d_s, kappa, r]
 
-Two kernels replace generator.py's per-head loop of basis, dense `bmm`, sign parity and log-sum
+Two kernels replace generator.py's per-head loop of basis, dense `bmm` and chunked mode product
 (about 90 launched kernels per head, forward and backward):
 
   forward   one program per (block of rows, head): for each seed coordinate it gathers
