@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from megatron_lev.demo import Layout
+from megatron_lev.demo import Layout, readme_figures
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK_STEPS = 30  # tools/quickstart.sh --quick
@@ -37,12 +37,21 @@ def timings(layout):
         return {stage: status for stage, _, status in (line.rstrip("\n").split("\t") for line in f)}
 
 
+def git_status():
+    """The repository's `git status` (None outside a git checkout, e.g. an unpacked sdist)."""
+    proc = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO, capture_output=True,
+                          text=True)
+    return proc.stdout if proc.returncode == 0 else None
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """The quick demo, run once for this file; returns (layout, the run's stdout)."""
     out = str(tmp_path_factory.mktemp("quickstart") / "demo")
+    before = git_status()
     proc = quickstart("--quick", "--out", out)
     assert proc.returncode == 0, f"quickstart.sh --quick failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert git_status() == before  # everything went under --out
     return Layout.under(out), proc.stdout
 
 
@@ -137,13 +146,19 @@ def test_rerun_reuses_everything_and_other_input_is_refused(demo, tmp_path):
 
 
 def test_publish_writes_the_demo_numbers_into_docs(demo, tmp_path):
-    """`demo publish` (run by the default demo) copies the demo's own numbers and plots into
-    docs/, where README.md quotes them (tests/test_readme.py)."""
+    """`demo publish` (`quickstart.sh --publish`) copies the demo's own numbers and plots into
+    docs/, where README.md quotes them (tests/test_readme.py), and lists the figures the README
+    does not quote yet."""
     layout, _ = demo
+    readme = tmp_path / "README.md"
+    readme.write_text("old figures\n")
     proc = subprocess.run([sys.executable, "-m", "megatron_lev.demo", "publish", "--out", layout.out, "--docs",
-                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+                           str(tmp_path), "--readme", str(readme)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = read_json(tmp_path / "demo_results.json")
+    figures = ", ".join(readme_figures(results))
+    assert proc.stdout.splitlines()[-1] == (f"{readme} does not quote these published figures yet "
+                                            f"(tests/test_readme.py fails until it does): {figures}")
     losses = read_json(layout.valid_loss)
     assert {n: r["final"] for n, r in results["valid_loss"].items()} == {n: r["final"] for n, r in losses.items()}
     evaluation = read_json(os.path.join(layout.eval_ppl, "evaluation.json"))
@@ -167,3 +182,46 @@ def test_mistyped_input_writes_nothing(tmp_path):
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == f"quickstart.sh: --input {tmp_path / 'typo.jsonl'}: no such file or directory"
     assert not os.path.exists(Layout.under(str(out)).inputs_file)
+
+
+RECORDING_PYTHON = """#!/usr/bin/env bash
+# Runs what quickstart.sh reads back (its layout, config values) with the real interpreter and
+# records every other command without running it.
+if [[ $1 == -c || "$1 $2 $3" == "-m megatron_lev.demo layout" ]]; then exec {python} "$@"; fi
+printf '%s\\n' "$*" >> {log}
+"""
+
+
+def recorded_quickstart(tmp_path, *flags):
+    """quickstart.sh's default (full-size) run with every stage recorded, not run: the commands it
+    issues, in seconds."""
+    log = tmp_path / "commands.log"
+    log.unlink(missing_ok=True)
+    shim = tmp_path / "python"
+    shim.write_text(RECORDING_PYTHON.format(python=sys.executable, log=log))
+    shim.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(shim)}
+    proc = subprocess.run(["bash", os.path.join(REPO, "tools", "quickstart.sh"), "--out", str(tmp_path / "demo"),
+                           *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return proc, log.read_text().splitlines() if log.exists() else []
+
+
+def test_default_demo_publishes_only_when_asked(tmp_path):
+    """A plain default run writes nothing into docs/ (defect: it rewrote docs/demo_results.* and
+    tests/test_readme.py then failed); --publish is the maintainer's explicit step, and refuses a
+    run that is not the default one."""
+    before = git_status()
+    proc, commands = recorded_quickstart(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert any("-m megatron_lev.train --config demo-lev" in c for c in commands)  # the stages were issued
+    assert not [c for c in commands if "megatron_lev.demo publish" in c]
+    assert git_status() == before
+    proc, commands = recorded_quickstart(tmp_path, "--publish")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "demo"
+    assert commands[-1] == (f"-m megatron_lev.demo publish --out {out} --docs {REPO}/docs "
+                            f"--readme {REPO}/README.md")
+    proc, commands = recorded_quickstart(tmp_path, "--publish", "--quick")
+    assert proc.returncode == 2 and commands == []
+    assert proc.stderr.strip() == ("quickstart.sh: --publish publishes the default demo only: drop --input, --steps "
+                                   "and --quick")

@@ -19,14 +19,16 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 usage() {
     cat <<EOF
-usage: bash tools/quickstart.sh [--input PATH_OR_GLOB]... [--out DIR] [--steps N] [--quick]
+usage: bash tools/quickstart.sh [--input PATH_OR_GLOB]... [--out DIR] [--steps N] [--quick] [--publish]
 
   --input P   your own Pile-format JSON lines ({"text": ...}; .jsonl/.json[.zst|.gz], files, globs or
               folders; repeatable). Default: a corpus of Python's own documentation (no download).
   --out DIR   where everything goes (default: $repo/demo). A folder built from other --input is refused.
   --steps N   training iterations of each model (default: the config's, demo-lev.yaml).
-              The default run (no --input, --steps or --quick) also refreshes docs/demo_results.*.
   --quick     a reduced run (500 documents, tiny-lev/tiny-tied, 30 steps): the test suite's mode.
+  --publish   a maintainer's step: after the default run (no --input, --steps or --quick), copy its
+              numbers and plots into docs/ (demo_results.{json,md}, the README's figures) and list
+              the figures README.md must then quote. Without it the demo writes only under --out.
 EOF
 }
 
@@ -34,6 +36,7 @@ out=$repo/demo
 inputs=()
 steps=""
 quick=0
+publish=0
 while [[ $# -gt 0 ]]; do
     case $1 in
         --input) [[ $# -ge 2 ]] || { echo "quickstart.sh: --input needs a value" >&2; exit 2; }
@@ -43,10 +46,16 @@ while [[ $# -gt 0 ]]; do
         --steps) [[ $# -ge 2 && $2 =~ ^[1-9][0-9]*$ ]] || { echo "quickstart.sh: --steps needs a positive integer" >&2; exit 2; }
                  steps=$2; shift 2 ;;
         --quick) quick=1; shift ;;
+        --publish) publish=1; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "quickstart.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
     esac
 done
+
+if [[ $publish == 1 && ( ${#inputs[@]} -gt 0 || -n $steps || $quick == 1 ) ]]; then
+    echo "quickstart.sh: --publish publishes the default demo only: drop --input, --steps and --quick" >&2
+    exit 2
+fi
 
 # Sizes. The full demo uses the demo-* configs; --quick the tiny-* ones the tests use.
 if [[ $quick == 1 ]]; then
@@ -157,7 +166,6 @@ stage preprocess "preprocess: tools/preprocess_data.py (2 workers) -> $dataset.{
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$tokenizer" --append-eod --workers 2
 
 # --- 5. training, 2 processes each
-steps_given=$steps
 if [[ -z $steps ]]; then
     steps=${default_steps:-$("$py" -c 'import sys; from megatron_lev.configs import load_config
 print(load_config(sys.argv[1])["training"]["train_iters"])' "$lev_config")}
@@ -230,8 +238,9 @@ stage generate "generate with transformers (AutoModelForCausalLM, trust_remote_c
 
 banner "summary ($summary_md)"
 "$py" -m megatron_lev.demo summary --out "$out"
-# The default demo (our corpus, full size, the configs' run length) refreshes docs/demo_results.*
-# and the plots the README shows, so its figures always come from the current code.
-if [[ ${#inputs[@]} -eq 0 && $quick == 0 && -z $steps_given ]]; then
-    "$py" -m megatron_lev.demo publish --out "$out" --docs "$repo/docs"
+# Publishing the README's figures is a deliberate step (--publish): a plain run leaves the
+# repository as it was (everything above is under $out).
+if [[ $publish == 1 ]]; then
+    banner "publish: docs/demo_results.{json,md} and the README's plots from $out"
+    "$py" -m megatron_lev.demo publish --out "$out" --docs "$repo/docs" --readme "$repo/README.md"
 fi
