@@ -36,6 +36,8 @@ TRAINING_DEFAULTS = {
     "train_samples": None,
     "lr": None,
     "min_lr": 0.0,
+    "decoupled_lr": None,
+    "decoupled_min_lr": None,
     "lr_warmup_iters": 0,
     "lr_warmup_samples": 0,
     "lr_warmup_fraction": None,
@@ -139,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "flags then set the schedule")
     g.add_argument("--lr", type=float, help="peak learning rate")
     g.add_argument("--min-lr", type=float)
+    g.add_argument("--decoupled-lr", type=float, help="peak learning rate of the input side (the LEV generator or "
+                   "the embedding table) and the output layer; the rest keeps --lr (Megatron's flag)")
+    g.add_argument("--decoupled-min-lr", type=float, help="minimum learning rate of the --decoupled-lr parameters "
+                   "(default: --min-lr)")
     g.add_argument("--lr-warmup-iters", type=int)
     g.add_argument("--lr-warmup-samples", type=int)
     g.add_argument("--lr-warmup-fraction", type=float, help="warmup as a fraction of the decay length")
@@ -347,6 +353,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ConfigError(f"--train-iters must be >= 1, got {args.train_iters}")
     if not 0 <= args.min_lr <= args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} must lie in [0, --lr {args.lr}]")
+    check_decoupled_lr(args)
     _schedule_in_samples(args)
     args.recompute = recompute_setting(args)
     if args.clip_grad < 0:
@@ -430,6 +437,21 @@ def _schedule_in_samples(args: argparse.Namespace) -> None:
         raise ConfigError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other")
 
 
+def check_decoupled_lr(args: argparse.Namespace) -> None:
+    """--decoupled-lr / --decoupled-min-lr: the same warmup and decay as --lr, to other end points."""
+    if args.decoupled_lr is None:
+        if args.decoupled_min_lr is not None:
+            raise ConfigError(f"--decoupled-min-lr {args.decoupled_min_lr} needs --decoupled-lr")
+        return
+    if not args.decoupled_lr > 0 or args.decoupled_lr < args.lr_warmup_init:
+        raise ConfigError(f"--decoupled-lr {args.decoupled_lr} must be > 0 and >= --lr-warmup-init "
+                          f"{args.lr_warmup_init}")
+    low = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+    if not 0 <= low <= args.decoupled_lr:
+        raise ConfigError(f"--decoupled-min-lr {low} (default: --min-lr) must lie in [0, --decoupled-lr "
+                          f"{args.decoupled_lr}]")
+
+
 def derive_vocab_size(args: argparse.Namespace, tokenizer_vocab_size: int) -> None:
     """As Megatron: a model section without `vocab_size` takes the tokenizer's (the model pads
     it to --make-vocab-size-divisible-by x TP); a YAML that sets it keeps its value."""
@@ -490,7 +512,10 @@ def summarize_config(cfg: dict, full_path: str) -> str:
         f"parallel: TP {t['tensor_model_parallel_size']} x PP {t['pipeline_model_parallel_size']} x DP "
         f"{t.get('data_parallel_size')}, ZeRO-{zero}, {'bf16' if t['bf16'] else 'fp32'}; batch {t['global_batch_size']}"
         f" x {t['seq_length']} tokens (micro {t['micro_batch_size']}, accumulation {t.get('gradient_accumulation_steps')})",
-        f"schedule: {t['train_iters']} iterations, lr {t['lr']:g} {t['lr_decay_style']} -> {t['min_lr']:g}, warmup "
+        f"schedule: {t['train_iters']} iterations, lr {t['lr']:g} {t['lr_decay_style']} -> {t['min_lr']:g}, "
+        + (f"input side and output layer {t['decoupled_lr']:g} -> "
+           f"{t['min_lr'] if t.get('decoupled_min_lr') is None else t['decoupled_min_lr']:g}, "
+           if t.get("decoupled_lr") is not None else "") + "warmup "
         f"{t.get('lr_warmup_steps', 0) / t['global_batch_size']:g} iterations; data {' '.join(map(str, t['data_path'] or t['train_data_path'] or []))}",
         f"full configuration: {full_path}",
     ]

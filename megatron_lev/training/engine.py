@@ -50,7 +50,8 @@ def build_engine(args, model_config, ds_config: dict):
         compile_decoder_layers(module)
     offload = offloads_optimizer(ds_config)
     optimizer = build_optimizer(module, lr=args.lr, weight_decay=args.weight_decay,
-                                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, offload=offload)
+                                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, offload=offload,
+                                decoupled_lr=args.decoupled_lr)
     if offload and type(optimizer).__name__ != "DeepSpeedCPUAdam":
         ds_config["zero_force_ds_cpu_optimizer"] = False  # the CPU Adam op could not be built here
 

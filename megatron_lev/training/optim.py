@@ -9,14 +9,24 @@ The optimizer is handed to DeepSpeed, which wraps it (ZeRO) and owns clipping an
 overflow skipping; the schedule is megatron-core's OptimizerParamScheduler, which
 DeepSpeed steps after every applied (non-skipped) optimizer step and saves in its
 checkpoints.
+
+`--decoupled-lr` (Megatron's flag) gives the input side and the output layer their own peak
+(and `--decoupled-min-lr` their own floor) on the same warmup and decay: Megatron applies it
+to the embedding table and the output layer; here the input side is the LEV generator (or the
+table, for tied/untied). Their weight decay follows the same rules as everywhere.
 """
 from __future__ import annotations
 
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_lev.lev.parallel import ParallelLEVEmbedding
+from megatron_lev.models.layers import OutputLayer, VocabEmbedding
+
 # LEVGenerator parameter names (lev/generator.py) that are exempt from weight decay.
 LEV_NO_DECAY_NAMES = ("codebooks", "ln_gamma", "ln_beta")
+# The param-group key that marks the --decoupled-lr groups (LRScheduler.get_lr reads it).
+DECOUPLED_LR_KEY = "decoupled_lr"
 
 
 def uses_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -26,32 +36,48 @@ def uses_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
     return name.rsplit(".", 1)[-1] not in LEV_NO_DECAY_NAMES
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: decayed and not decayed. Frozen parameters are left out.
+def embedding_or_output_parameters(model: torch.nn.Module) -> set[int]:
+    """ids of the parameters --decoupled-lr applies to (Megatron's
+    `is_embedding_or_output_parameter`): the input side (the LEV generator or the embedding
+    table) and the output layer, found by module type, so the plain and pipeline forms agree."""
+    found = set()
+    for module in model.modules():
+        if isinstance(module, (ParallelLEVEmbedding, VocabEmbedding, OutputLayer)):
+            found.update(id(p) for p in module.parameters())
+    return found
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float, decoupled: bool = False) -> list[dict]:
+    """AdamW groups: decayed and not decayed; with `decoupled`, the same split again for the
+    --decoupled-lr parameters, after the others (so group 0 carries --lr, the rate the log
+    line shows, as Megatron logs its default group). Frozen parameters are left out.
 
     Each group also lists its parameter names under "param_names" (DeepSpeed ignores
     the key; it makes the split inspectable).
     """
-    decay, no_decay, decay_names, no_decay_names = [], [], [], []
+    special = embedding_or_output_parameters(model) if decoupled else set()
+    buckets = {}  # (decoupled, decayed) -> (params, names)
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if uses_weight_decay(name, param):
-            decay.append(param)
-            decay_names.append(name)
-        else:
-            no_decay.append(param)
-            no_decay_names.append(name)
+        key = (id(param) in special, uses_weight_decay(name, param))
+        params, names = buckets.setdefault(key, ([], []))
+        params.append(param)
+        names.append(name)
     groups = []
-    if decay:
-        groups.append({"params": decay, "weight_decay": weight_decay, "param_names": decay_names})
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0, "param_names": no_decay_names})
+    for is_decoupled, decayed in ((False, True), (False, False), (True, True), (True, False)):
+        if (is_decoupled, decayed) not in buckets:
+            continue
+        params, names = buckets[(is_decoupled, decayed)]
+        group = {"params": params, "weight_decay": weight_decay if decayed else 0.0, "param_names": names}
+        if is_decoupled:
+            group[DECOUPLED_LR_KEY] = True
+        groups.append(group)
     return groups
 
 
 def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
-                    eps: float, offload: bool = False) -> torch.optim.Optimizer:
+                    eps: float, offload: bool = False, decoupled_lr: float | None = None) -> torch.optim.Optimizer:
     """AdamW over `param_groups`. On GPU: DeepSpeed's CPU Adam under ZeRO-Offload, else
     DeepSpeed's (then apex's) fused Adam when they build/import, else torch's fused AdamW.
     On CPU (no CUDA): torch's fused AdamW, offload or not (offloading to the CPU you already
@@ -63,7 +89,8 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, b
     `param_names` is stripped before construction (optimizers keep unknown group keys,
     but DeepSpeed's fused kernels and checkpoints do not need them).
     """
-    groups = [{k: v for k, v in g.items() if k != "param_names"} for g in param_groups(model, weight_decay)]
+    groups = [{k: v for k, v in g.items() if k != "param_names"}
+              for g in param_groups(model, weight_decay, decoupled=decoupled_lr is not None)]
     kwargs = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if torch.cuda.is_available():
         candidates = (_deepspeed_cpu_adam,) if offload else (_deepspeed_fused_adam, _apex_fused_adam)
@@ -107,11 +134,30 @@ class LRScheduler(OptimizerParamScheduler):
     scheduler's decay never reaches them.
     """
 
-    def __init__(self, optimizer, *, samples_per_step: int, **kwargs):
+    def __init__(self, optimizer, *, samples_per_step: int, decoupled_lr: float | None = None,
+                 decoupled_min_lr: float | None = None, **kwargs):
         self.samples_per_step = samples_per_step
+        # Kept here, not in the groups, so that a checkpoint's saved optimizer groups (loaded
+        # after the schedule under ZeRO) cannot bring back an old decoupled rate.
+        self.decoupled_lr, self.decoupled_min_lr = decoupled_lr, decoupled_min_lr
         for group in optimizer.param_groups:
             group.setdefault("wd_mult", 1.0 if group.get("weight_decay", 0.0) > 0 else 0.0)
         super().__init__(optimizer, **kwargs)
+
+    def get_lr(self, param_group: dict) -> float:
+        """megatron-core's schedule; the --decoupled-lr groups run it between their own end points."""
+        if param_group.get(DECOUPLED_LR_KEY) and self.decoupled_lr is not None:
+            ends = {"max_lr": self.decoupled_lr}
+            if self.decoupled_min_lr is not None:
+                ends["min_lr"] = self.decoupled_min_lr
+            return super().get_lr(ends)
+        return super().get_lr(param_group)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if self.decoupled_lr is not None:
+            state.update(decoupled_lr=self.decoupled_lr, decoupled_min_lr=self.decoupled_min_lr)
+        return state
 
     def step(self, increment: int | None = None) -> None:
         super().step(self.samples_per_step if increment is None else increment)
@@ -125,13 +171,19 @@ class LRScheduler(OptimizerParamScheduler):
         wins (train.py checks this before building anything; here it is megatron-core's assert)."""
         self.num_steps = 0
         super().load_state_dict(state_dict)
+        if self.decoupled_lr is not None or state_dict.get("decoupled_lr") is not None:
+            self.decoupled_lr = self._check_and_set(self.decoupled_lr, state_dict.get("decoupled_lr"),
+                                                    "decoupled learning rate")
+            self.decoupled_min_lr = self._check_and_set(self.decoupled_min_lr, state_dict.get("decoupled_min_lr"),
+                                                        "decoupled minimum learning rate")
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, args) -> LRScheduler:
     """The run's schedule from its validated args (arguments._schedule_in_samples)."""
     return LRScheduler(
         optimizer, samples_per_step=args.global_batch_size, init_lr=args.lr_warmup_init, max_lr=args.lr,
-        min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_steps, lr_decay_steps=args.lr_decay_steps,
+        min_lr=args.min_lr, decoupled_lr=getattr(args, "decoupled_lr", None),
+        decoupled_min_lr=getattr(args, "decoupled_min_lr", None), lr_warmup_steps=args.lr_warmup_steps, lr_decay_steps=args.lr_decay_steps,
         lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
         wd_incr_steps=args.wd_incr_steps, wd_incr_style=args.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
@@ -144,7 +196,8 @@ SCHEDULE_FIELDS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "-
                    "lr_decay_steps": "--lr-decay-* / the run length", "lr_decay_style": "--lr-decay-style",
                    "start_wd": "--start-weight-decay", "end_wd": "--end-weight-decay",
                    "wd_incr_steps": "the run length (weight-decay increment)",
-                   "wd_incr_style": "--weight-decay-incr-style"}
+                   "wd_incr_style": "--weight-decay-incr-style", "decoupled_lr": "--decoupled-lr",
+                   "decoupled_min_lr": "--decoupled-min-lr"}
 
 
 def schedule_state(training: dict) -> dict:
@@ -152,7 +205,9 @@ def schedule_state(training: dict) -> dict:
     return {"max_lr": float(training["lr"]), "min_lr": training["min_lr"], "lr_warmup_steps": training["lr_warmup_steps"],
             "lr_decay_steps": training["lr_decay_steps"], "lr_decay_style": training["lr_decay_style"],
             "start_wd": training["start_weight_decay"], "end_wd": training["end_weight_decay"],
-            "wd_incr_steps": training["wd_incr_steps"], "wd_incr_style": training["weight_decay_incr_style"]}
+            "wd_incr_steps": training["wd_incr_steps"], "wd_incr_style": training["weight_decay_incr_style"],
+            # absent from checkpoints that predate the flags: no decoupled rate
+            "decoupled_lr": training.get("decoupled_lr"), "decoupled_min_lr": training.get("decoupled_min_lr")}
 
 
 def schedule_mismatch(saved_training: dict, training: dict) -> list[str]:
