@@ -88,6 +88,9 @@ class LEVConfig:
     digit_order: str = "msb_first"
     unique_ids: bool = True
     digit_base: Optional[int] = None
+    # Initialisation options (docs/lev.md, "Initialisation"); off by default, the spec's init.
+    init_embedding_rms: Optional[float] = None  # scale W_out: embedding RMS at init (0.02 = an N(0, 0.02) table)
+    init_remove_shared: bool = False  # project W_out off the mean mode: tokens share no direction at init
 
     def __post_init__(self):
         self.validate()
@@ -110,6 +113,11 @@ class LEVConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"LEVConfig.{name}={value!r} must be a finite number >= 0")
+        rms = self.init_embedding_rms
+        if rms is not None and not (isinstance(rms, (int, float)) and math.isfinite(rms) and rms > 0):
+            raise ValueError(f"LEVConfig.init_embedding_rms={rms!r} must be a finite number > 0 or None")
+        if not isinstance(self.init_remove_shared, bool):
+            raise ValueError(f"LEVConfig.init_remove_shared={self.init_remove_shared!r} must be true or false")
         for name in ("layernorm_eps", "log_eps"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -396,25 +404,68 @@ def separable_modes(x: torch.Tensor, delta: torch.Tensor, eps: float = 1e-9) -> 
 def init_lev_parameters(config: LEVConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """The FULL (all heads) float32 parameters, drawn from one seeded CPU generator in a
     fixed order (codebooks, w_seed, delta, w_out), so the values do not depend on how
-    the heads are later split over tensor-parallel ranks."""
+    the heads are later split over tensor-parallel ranks; then the init options applied to
+    W_out (`calibrate_w_out`)."""
     k, b, ds, h = config.num_coordinates, config.base, config.seed_dim, config.num_heads
     kappa, r, d = config.num_knots, config.num_modes, config.hidden_size
 
     def normal(shape, std):
         return torch.randn(shape, generator=generator, dtype=torch.float32).mul_(std)
 
-    codebooks = normal((k, b, ds), config.init_std)
-    w_seed = normal((h, ds, ds), config.init_std)
-    delta = normal((h, ds, kappa, r), config.delta_init_std)
-    w_out = normal((h, r, d), config.init_std / math.sqrt(h))
-    return {
-        "codebooks": codebooks,
-        "w_seed": w_seed,
+    params = {
+        "codebooks": normal((k, b, ds), config.init_std),
+        "w_seed": normal((h, ds, ds), config.init_std),
         "ln_gamma": torch.ones(h, ds),
         "ln_beta": torch.zeros(h, ds),
-        "delta": delta,
-        "w_out": w_out,
+        "delta": normal((h, ds, kappa, r), config.delta_init_std),
+        "w_out": normal((h, r, d), config.init_std / math.sqrt(h)),
     }
+    if config.init_remove_shared or config.init_embedding_rms is not None:
+        params["w_out"] = calibrate_w_out(config, params)
+    return params
+
+
+def calibration_ids(vocab_size: int, count: int = 1024) -> torch.Tensor:
+    """A fixed, evenly spread sample of ids: what the init options and the init statistics see."""
+    return torch.linspace(0, vocab_size - 1, min(count, vocab_size)).round().long().unique()
+
+
+def calibrate_w_out(config: LEVConfig, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """W_out after the init options, from the modes of `calibration_ids` (e is linear in W_out):
+    - init_remove_shared: every mode is about 1 plus noise, so every token carries
+      mean(M_l) @ W_out[l]; projecting each W_out[l] off the mean mode direction removes that
+      shared vector and leaves the token-specific part;
+    - init_embedding_rms: then scale W_out so the sample's embedding RMS is exactly this."""
+    ids = calibration_ids(config.vocab_size)
+    with torch.no_grad():
+        modes = seed_modes(config, params, seed_vectors(config, params["codebooks"], ids))  # [n, h, r]
+        w_out = params["w_out"].clone()
+        if config.init_remove_shared:
+            mean = modes.mean(0)  # [h, r]
+            unit = mean / mean.norm(dim=1, keepdim=True)
+            w_out -= unit.unsqueeze(2) * torch.einsum("hr,hrd->hd", unit, w_out).unsqueeze(1)
+        if config.init_embedding_rms is not None:
+            emb = modes.reshape(len(ids), -1) @ w_out.reshape(-1, config.hidden_size)
+            w_out *= config.init_embedding_rms / emb.pow(2).mean().sqrt()
+    return w_out
+
+
+def seed_vectors(config: LEVConfig, codebooks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """ids [n] -> z [n, d_s] float32: the sum of the k digit codebook rows."""
+    digits = token_digits(ids, config.base, config.num_coordinates, config.digit_order)
+    offsets = torch.arange(config.num_coordinates, device=ids.device) * config.base
+    rows = F.embedding(digits + offsets, codebooks.reshape(-1, config.seed_dim))  # [n, k, d_s]
+    return rows.to(torch.float32).sum(1)
+
+
+def seed_modes(config: LEVConfig, params: dict[str, torch.Tensor], z: torch.Tensor) -> torch.Tensor:
+    """z [n, d_s] -> modes [n, h, r] float32 for the heads `params` holds (W_seed, LayerNorm,
+    sigmoid, separable modes)."""
+    f32, ds = torch.float32, config.seed_dim
+    h = params["w_seed"].shape[0]
+    u = (z.to(f32) @ params["w_seed"].to(f32).reshape(h * ds, ds).t()).view(-1, h, ds)
+    u = F.layer_norm(u, (ds,), eps=config.layernorm_eps) * params["ln_gamma"].to(f32) + params["ln_beta"].to(f32)
+    return separable_modes(torch.sigmoid(0.5 * u), params["delta"], config.log_eps)
 
 
 def pad_to_row_block(ids: torch.Tensor) -> torch.Tensor:
@@ -499,21 +550,14 @@ class LEVGenerator(torch.nn.Module):
 
     def seed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [n] -> z [n, d_s] float32: the sum of the k digit codebook rows."""
-        cfg = self.config
-        digits = token_digits(ids, cfg.base, cfg.num_coordinates, cfg.digit_order)
-        offsets = torch.arange(cfg.num_coordinates, device=ids.device) * cfg.base
-        rows = F.embedding(digits + offsets, self.codebooks.reshape(-1, cfg.seed_dim))  # [n, k, d_s]
-        return rows.to(torch.float32).sum(1)
+        return seed_vectors(self.config, self.codebooks, ids)
 
     def heads(self, z: torch.Tensor) -> torch.Tensor:
         """z [n, d_s] -> sum over this module's heads of M_l @ w_out[l], float32 [n, D]."""
-        cfg, h, ds = self.config, self.num_local_heads, self.config.seed_dim
-        f32 = torch.float32
-        u = (z.to(f32) @ self.w_seed.to(f32).reshape(h * ds, ds).t()).view(-1, h, ds)
-        u = F.layer_norm(u, (ds,), eps=cfg.layernorm_eps) * self.ln_gamma.to(f32) + self.ln_beta.to(f32)
-        x = torch.sigmoid(0.5 * u)
-        modes = separable_modes(x, self.delta, cfg.log_eps)  # [n, h, r]
-        return modes.reshape(-1, h * cfg.num_modes) @ self.w_out.to(f32).reshape(h * cfg.num_modes, -1)
+        params = {name: getattr(self, name) for name in ("w_seed", "ln_gamma", "ln_beta", "delta")}
+        modes = seed_modes(self.config, params, z)  # [n, h, r]
+        h, r = self.num_local_heads, self.config.num_modes
+        return modes.reshape(-1, h * r) @ self.w_out.to(torch.float32).reshape(h * r, -1)
 
     def forward(self, ids: torch.Tensor, seed_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
         """ids [n] -> float32 [n, D], the sum over this module's heads (ids not range-checked).

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lev.distributed.state import DeepSpeedMPU
+from megatron_lev.distributed.state import DeepSpeedMPU, print_rank_0
+from megatron_lev.models.init_stats import init_statistics_line
 from megatron_lev.training.ds_config import offloads_optimizer
 from megatron_lev.training.optim import build_lr_scheduler, build_optimizer
 
@@ -44,6 +45,9 @@ def build_engine(args, model_config, ds_config: dict):
         mpu = DeepSpeedMPU()
     if torch.cuda.is_available():
         module = module.cuda()
+    line = init_statistics_line(module, model_config.vocab_size, model_config.embedding)
+    if line is not None:  # the first pipeline stage; printed by global rank 0
+        print_rank_0(line)
     if getattr(args, "compile_layers", False):
         from megatron_lev.models.transformer import compile_decoder_layers
 
