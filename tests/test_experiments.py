@@ -119,6 +119,38 @@ def test_seeds_mean_std_of_overall_bucket_and_curve_changes(tmp_path):
     with pytest.raises(SystemExit, match="--seed-dir 9=.*nowhere: no such directory"):
         sd.main(["--seed-dir", f"9={tmp_path / 'nowhere'}", "--pair", "lev:tied", "--output-dir", str(out)])
     assert sd.mean_std([4.0]) == {"mean": 4.0, "std": None, "n": 1}
+    # The paired t-test of the loss differences (3 seeds, 2 degrees of freedom: two-sided
+    # p = 1 - |t| / sqrt(2 + t^2) in closed form).
+    diffs = [math.log(0.9), math.log(0.8), math.log(0.7)]
+    t = np.mean(diffs) / (np.std(diffs, ddof=1) / math.sqrt(3))
+    test = lev["loss_difference"]["paired_t_test"]
+    assert (test["t"], test["p"], test["n"]) == pytest.approx((t, 1 - abs(t) / math.sqrt(2 + t * t), 3))
+    assert f"| t = {t:+.2f}, p = {1 - abs(t) / math.sqrt(2 + t * t):.3f} (n=3) |" in md
+    # The curves here differ by a constant per seed: every slope is 0.
+    assert curves["difference_slope"]["per_seed"] == pytest.approx({"1": 0.0, "2": 0.0, "3": 0.0}, abs=1e-12)
+    assert "| slope of the loss difference vs ln(tokens) (nats per e-fold) | +0.0000 ± 0.0000 (n=3) |" in md
+
+
+def test_difference_slope_against_log_tokens(tmp_path):
+    """MODEL - BASELINE = -0.1 ln(tokens / 1000) + c: slope -0.1 per e-fold of tokens, read on the
+    baseline's tokens (the model logs at other steps and is interpolated), the 0-token point left out."""
+    tokens = [0, 1000, 2000, 4000, 8000]
+    base = [9.0] + [5.0 - 0.3 * math.log(t / 1000) for t in tokens[1:]]
+    _write(str(tmp_path / "base" / "metrics.jsonl"),
+           [{"iteration": i, "consumed_tokens": t, "valid_loss": v} for i, (t, v) in enumerate(zip(tokens, base))])
+    model_tokens = [0, 1000, 4000, 8000]  # no point at 2000: interpolated there
+    model = [9.0] + [5.2 - 0.4 * math.log(t / 1000) for t in model_tokens[1:]]
+    _write(str(tmp_path / "model" / "metrics.jsonl"),
+           [{"iteration": i, "consumed_tokens": t, "valid_loss": v}
+            for i, (t, v) in enumerate(zip(model_tokens, model))])
+    interpolated = 5.2 - 0.4 * math.log(4) * 1 / 3  # linear between 1000 and 4000 tokens, at 2000
+    diffs = [0.2, interpolated - base[2], 0.2 - 0.1 * math.log(4), 0.2 - 0.1 * math.log(8)]
+    expected = np.polyfit(np.log(tokens[1:]), diffs, 1)[0]
+    assert sd.difference_slope(str(tmp_path / "model"), str(tmp_path / "base")) == pytest.approx(expected, rel=1e-12)
+    assert -0.12 < expected < -0.1  # -0.1, pulled by the interpolated point
+    assert sd.paired_t_test({"1": -0.1, "2": -0.1}) == {"t": None, "p": None, "n": 2}
+    test = sd.paired_t_test({"1": -0.1, "2": -0.2, "3": None})
+    assert (test["t"], test["n"]) == pytest.approx((-3.0, 2))  # mean -0.15 / (0.0707 / sqrt 2)
 
 
 def test_hashed_corpus_order_is_a_sha1_sorted_permutation(tmp_path):

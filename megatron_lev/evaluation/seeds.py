@@ -19,7 +19,11 @@ its data order and validation tokens), then over seeds:
 
 Each is reported as the mean, the sample standard deviation (ddof = 1; none for a single
 seed) and n, the number of seeds where it is defined: a bucket without evaluated tokens
-or a target never reached leaves that seed out, and n says so.
+or a target never reached leaves that seed out, and n says so. The overall loss difference
+also gets a paired t-test over seeds (scipy's one-sample test of the per-seed differences
+against 0: two-sided p), and the training curves a trend: per seed, the slope of the
+validation-loss difference (MODEL - BASELINE, on the baseline's logged tokens) against
+log(tokens), negative when MODEL's advantage grows with training, with the same test.
 
 Output (`--output-dir`): seeds.json, seeds.md, changes_<stratum>_<bucketing>.png (bars
 with +-std error bars, one per pair) and loss_<model>_vs_<baseline>.png (validation
@@ -35,6 +39,7 @@ import os
 import re
 
 import numpy as np
+from scipy import stats
 
 from megatron_lev.evaluation.curves import read_curve
 from megatron_lev.evaluation.report import parse_named, relative_change
@@ -54,6 +59,27 @@ def mean_std(values) -> dict:
 
 def _summary(per_seed: dict) -> dict:
     return {**mean_std(per_seed.values()), "per_seed": per_seed}
+
+
+def paired_t_test(per_seed: dict) -> dict:
+    """Two-sided t-test of the per-seed differences against 0 (a paired test of the two models
+    over seeds): {"t", "p", "n"}; t and p are None for fewer than 2 seeds or identical ones."""
+    values = [float(v) for v in per_seed.values() if v is not None and not math.isnan(v)]
+    if len(values) < 2 or float(np.std(values)) == 0.0:
+        return {"t": None, "p": None, "n": len(values)}
+    result = stats.ttest_1samp(values, 0.0)
+    return {"t": float(result.statistic), "p": float(result.pvalue), "n": len(values)}
+
+
+def difference_slope(model_path: str, baseline_path: str, metric: str = "valid_loss") -> float:
+    """Slope of (MODEL - BASELINE) validation loss against ln(tokens), on the baseline's logged
+    tokens (MODEL interpolated onto them), from the first logged point on."""
+    model, base = read_curve(model_path, metric=metric), read_curve(baseline_path, metric=metric)
+    keep = base.tokens > 0
+    if keep.sum() < 2:
+        raise ValueError(f"{baseline_path}: fewer than 2 logged {metric} points, no slope")
+    difference = np.interp(base.tokens[keep], model.tokens, model.loss) - base.loss[keep]
+    return float(np.polyfit(np.log(base.tokens[keep]), difference, 1)[0])
 
 
 def parse_pair(spec: str) -> tuple[str, str]:
@@ -125,8 +151,9 @@ def pair_changes(model: str, baseline: str, seeds: dict[str, dict]) -> dict:
             final_loss[seed] = run["final_loss"] - base["final_loss"]
             if result.get("runs_paths"):
                 curve_paths[seed] = {"metric": result.get("metric", "valid_loss"), **result["runs_paths"]}
-    out = {"model": model, "baseline": baseline, "seeds": list(seeds),
-           "ppl_change_pct": _summary(overall_ppl), "loss_difference": _summary(overall_loss), "buckets": {}}
+    out = {"model": model, "baseline": baseline, "seeds": list(seeds), "ppl_change_pct": _summary(overall_ppl),
+           "loss_difference": {**_summary(overall_loss), "paired_t_test": paired_t_test(overall_loss)},
+           "buckets": {}}
     for (stratum, spec), entry in buckets.items():
         columns = list(zip(*entry["per_seed"].values()))
         out["buckets"].setdefault(stratum, {})[spec] = {
@@ -137,6 +164,10 @@ def pair_changes(model: str, baseline: str, seeds: dict[str, dict]) -> dict:
     if tokens:
         out["curves"] = {"tokens_to_target": _summary(tokens), "speedup": _summary(speedup),
                          "final_loss_difference": _summary(final_loss), "metrics_files": curve_paths}
+        slopes = {seed: difference_slope(p[model], p[baseline], p["metric"]) for seed, p in curve_paths.items()
+                  if model in p and baseline in p}
+        if slopes:
+            out["curves"]["difference_slope"] = {**_summary(slopes), "paired_t_test": paired_t_test(slopes)}
     return out
 
 
@@ -162,21 +193,30 @@ def _cell(stat: dict, unit: str = "%", digits: int = 1, signed: bool = True) -> 
     return f"{stat['mean']:{'+' if signed else ''}.{digits}f}{std}{unit} (n={stat['n']})"
 
 
+def _p_value(stat: dict) -> str:
+    test = stat["paired_t_test"]
+    return "n/a" if test["p"] is None else f"t = {test['t']:+.2f}, p = {test['p']:.3f} (n={test['n']})"
+
+
 def summary_markdown(pairs: list[dict]) -> str:
     lines = []
     for p in pairs:
         name = f"{p['model']} vs {p['baseline']}"
         lines += [f"**{name}**: mean ± std over seeds {', '.join(p['seeds'])} (per seed in brackets)", "",
-                  "| measure | mean ± std | per seed |", "|---|---|---|"]
+                  "| measure | mean ± std | per seed | paired t-test over seeds |", "|---|---|---|---|"]
 
         def row(label, stat, unit="%", digits=1, fmt="{:+.2f}"):
             per_seed = ", ".join("n/a" if v is None else fmt.format(v) for v in stat["per_seed"].values())
-            lines.append(f"| {label} | {_cell(stat, unit, digits, signed=fmt.startswith('{:+'))} | {per_seed} |")
+            test = _p_value(stat) if "paired_t_test" in stat else ""
+            lines.append(f"| {label} | {_cell(stat, unit, digits, signed=fmt.startswith('{:+'))} | {per_seed} | {test} |")
 
         row("validation perplexity change", p["ppl_change_pct"])
         row("validation loss difference (nats)", p["loss_difference"], "", 4, "{:+.4f}")
         if "curves" in p:
             c = p["curves"]
+            if "difference_slope" in c:
+                row("slope of the loss difference vs ln(tokens) (nats per e-fold)", c["difference_slope"], "", 4,
+                    "{:+.4f}")
             row(f"tokens to {p['baseline']}'s final validation loss", c["tokens_to_target"], "", 0, "{:.4g}")
             row(f"speed-up ({p['baseline']} tokens / {p['model']} tokens)", c["speedup"], "x", 2, "{:.2f}x")
             row("final validation loss difference (training curve, nats)", c["final_loss_difference"], "", 4,
