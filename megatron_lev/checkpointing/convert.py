@@ -55,10 +55,20 @@ class CheckpointInfo:
     def path(self) -> str:
         return os.path.join(self.load_dir, self.tag)
 
+    @property
+    def seq_length(self) -> int:
+        """The context the run trained with: its --seq-length (the `training:` section). The
+        YAML `model:` section's seq_length is only a default the flag overrides; checkpoints
+        without a training value fall back to it."""
+        trained = (self.config.get("training") or {}).get("seq_length")
+        return int(trained or self.model_section.get("seq_length") or LeviathanConfig.seq_length)
+
     def model_config(self, tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                      bf16: bool = False) -> LeviathanConfig:
+        """The model, with the run's context length (exports write it as max_position_embeddings)."""
         return model_config_from_dict(self.model_section, tensor_model_parallel_size=tensor_model_parallel_size,
-                                      pipeline_model_parallel_size=pipeline_model_parallel_size, bf16=bf16)
+                                      pipeline_model_parallel_size=pipeline_model_parallel_size, bf16=bf16,
+                                      seq_length=self.seq_length)
 
 
 def find_checkpoint(load_dir: str, iteration: Optional[int] = None) -> CheckpointInfo:

@@ -54,6 +54,12 @@ def load_checkpoint(engine, load_dir: str, tag: str, *, load_optimizer: bool = T
         load_module_only=not load_optimizer)
     if path is None:
         raise RuntimeError(f"--load {load_dir}: DeepSpeed could not load checkpoint {tag}")
+    if load_optimizer and engine.lr_scheduler is not None:
+        # DeepSpeed restores the schedule first and the (ZeRO) optimizer after it, whose saved
+        # param groups carry the rates of the checkpoint's last step: re-apply the schedule at
+        # its restored step, so the first resumed step runs at its rate (a schedule changed with
+        # --override-opt_param-scheduler included), as in Megatron-LM.
+        engine.lr_scheduler.step(0)
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng_path = os.path.join(load_dir, tag, "rng", f"rank_{rank:05d}.pt")
     if load_optimizer:

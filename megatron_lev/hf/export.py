@@ -379,6 +379,18 @@ class Provenance:
     source: Optional[str] = None  # the checkpoint folder
 
 
+def _public_names(paths: str) -> str:
+    """A released card names files, not where they sat: the base name of every path in a
+    space-separated list (blend weights pass through), so no local directory leaks."""
+    return " ".join(os.path.basename(p.rstrip("/")) or p for p in paths.split())
+
+
+def _run_and_tag(checkpoint: str) -> str:
+    """`run/iter_0000010` of a checkpoint folder: which run and iteration, not where it sat."""
+    path = os.path.normpath(checkpoint)
+    return os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
+
+
 def run_provenance(info) -> Provenance:
     """A checkpoint's provenance: iteration, tokens (iterations x global batch x sequence),
     data paths and its run's last logged validation loss (metrics.jsonl)."""
@@ -418,8 +430,10 @@ def model_card(name: str, cfg: LeviathanConfig, parameters: int, dtype: torch.dt
             "metrics": [{"type": "loss", "name": "validation loss", "value": round(provenance.valid_loss, 4)},
                         {"type": "perplexity", "name": "validation perplexity",
                          "value": round(math.exp(min(provenance.valid_loss, 50.0)), 2)}]}]}]
-    load = (f'model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)' if remote else
-            f'model = AutoModelForCausalLM.from_pretrained("{name}")')
+    # With remote code, AutoTokenizer reads config.json's auto_map too: without the flag it asks "[y/N]".
+    trust = ", trust_remote_code=True" if remote else ""
+    load = [f'tokenizer = AutoTokenizer.from_pretrained("{name}"{trust})',
+            f'model = AutoModelForCausalLM.from_pretrained("{name}"{trust})']
     rows = [("architecture", kind),
             ("parameters", f"{parameters:,}"),
             ("layers x hidden size", f"{cfg.num_layers} x {cfg.hidden_size} ({cfg.num_attention_heads} heads, "
@@ -428,15 +442,15 @@ def model_card(name: str, cfg: LeviathanConfig, parameters: int, dtype: torch.dt
             ("weights dtype", str(dtype).replace("torch.", "")),
             ("training iterations", f"{provenance.iteration:,}" if provenance.iteration is not None else "unknown"),
             ("training tokens", f"{provenance.tokens:,}" if provenance.tokens is not None else "unknown"),
-            ("training data", f"`{provenance.data}`" if provenance.data else "unknown"),
+            ("training data", f"`{_public_names(provenance.data)}`" if provenance.data else "unknown"),
             ("validation loss", f"{provenance.valid_loss:.4f} (perplexity {math.exp(min(provenance.valid_loss, 50)):.2f})"
              if provenance.valid_loss is not None else "not measured")]
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "", f"# {name}", "",
              f"Exported by megatron_lev's `tools/convert_to_hf.py`"
-             + (f" from `{provenance.source}`." if provenance.source else "."), "",
+             + (f" from checkpoint `{_run_and_tag(provenance.source)}`." if provenance.source else "."), "",
              "| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows), "",
              "## Load", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-             f'tokenizer = AutoTokenizer.from_pretrained("{name}")', load, "```", ""]
+             *load, "```", ""]
     if remote:
         lines += ["The LEV generator is Python code shipped in this folder (`modeling_lev.py`, `lev.py`), hence "
                   "`trust_remote_code=True`. Without remote code, export with `--materialize-embeddings`: the "
