@@ -7,7 +7,7 @@
 #   slurm/preprocess_pile.sh: uses the helpers (die, run_or_print, setup_python_env).
 #
 # Every knob is an environment variable (sbatch exports the submitting shell's
-# environment to the job), listed in README.md "Running on a Slurm cluster".
+# environment to the job), listed in docs/slurm.md (its table).
 #
 # Preemption and the time limit. The training scripts are submitted with
 # `#SBATCH --signal=B:USR1@300`: five minutes before the time limit Slurm sends USR1

@@ -22,7 +22,7 @@
 #   GPU_TYPE=a100 sbatch --nodes=4 slurm/train_tied_1b.sh       # 4 x 8 A100
 #   DRY_RUN=1 NODES=4 bash slurm/train_tied_1b.sh               # print what each node runs
 #
-# Environment variables: README.md, "Running on a Slurm cluster". Launch logic,
+# Environment variables: docs/slurm.md (its table). Launch logic,
 # preemption and requeue: slurm/common.sh.
 set -euo pipefail
 # sbatch runs a copy of this file from its spool folder, so find the repository from

@@ -21,8 +21,11 @@ extras=$(echo "${installed//,/ } ${extras//,/ }" | tr ' ' '\n' | sed '/^$/d' | s
 want="$(sha256sum "$repo/setup.py" | cut -c1-16) $extras"
 if [[ ! -f $stamp || "$(cat "$stamp")" != "$want" ]]; then
     "$py" -m pip install -q --upgrade pip >&2 2>/dev/null || true
-    # A machine without torch gets the CPU build 2.13 (plain `torch` would pull a multi-GB CUDA build).
-    # A cluster venv that already has its CUDA torch keeps it: setup.py's range accepts it.
+    # A machine without torch gets torch 2.13.0. Which build is pip's choice: where pip's
+    # find-links folder (PIP_FIND_LINKS, pip.conf) holds the CPU wheel 2.13.0+cpu, pip takes that
+    # local file (a local version label satisfies ==2.13.0), as on our CI and CPU machines; with
+    # only PyPI, Linux gets PyPI's default build, which is the multi-GB CUDA one. A cluster venv
+    # that already has its CUDA torch keeps it: setup.py's range accepts it.
     if ! "$py" -c "import torch" >/dev/null 2>&1; then
         "$py" -m pip install -q "torch==2.13.0" >&2
     fi
