@@ -1,10 +1,11 @@
-"""docs/training.md's "Megatron-LM flag -> here" table, generated from every command's parser.
+"""docs/training.md's "Megatron-LM flag -> here" table, generated from every command's parser,
+and `command_parsers`: the parser of every command of the package, by the names the docs call
+it with (tests/test_docs_links.py checks every flag of the docs' commands against them).
 
     python -m megatron_lev.flag_table docs/training.md     # after adding a flag
 
-It reads the trainer's and the preprocessor's parsers, so it lives above both (the top of the
-package, beside the other entry points); tests/test_megatron_flags.py checks the page holds
-exactly this table.
+It reads the commands' parsers, so it lives above them all (the top of the package, beside
+the other entry points); tests/test_megatron_flags.py checks the page holds exactly this table.
 """
 from __future__ import annotations
 
@@ -42,6 +43,59 @@ def flag_table() -> str:
              "| Megatron-LM | flag | here | why |", "| --- | --- | --- | --- |"]
     lines += [f"| {tool} | `{flag}` | {status} | {why} |" for tool, flag, status, why in rows]
     return "\n".join(lines) + "\n"
+
+
+class _ParserBuilt(Exception):
+    def __init__(self, parser: argparse.ArgumentParser):
+        super().__init__(parser.prog)
+        self.parser = parser
+
+
+def parser_of_main(main) -> argparse.ArgumentParser:
+    """The parser a command's `main(argv)` builds, taken when it first parses: main runs up to
+    there (building the parser, which is all our mains do before it) and no further."""
+    def stop(parser, *args, **kwargs):
+        raise _ParserBuilt(parser)
+
+    parse_known_args = argparse.ArgumentParser.parse_known_args
+    argparse.ArgumentParser.parse_known_args = stop  # parse_args and our subclasses go through it
+    try:
+        main([])
+    except _ParserBuilt as built:
+        return built.parser
+    finally:
+        argparse.ArgumentParser.parse_known_args = parse_known_args
+    raise RuntimeError(f"{main.__module__}.main returned without parsing its arguments")
+
+
+def command_parsers() -> dict[str, list[argparse.ArgumentParser]]:
+    """Command -> the parsers its flags go to (a flag is the command's when one of them has
+    it), for every name the docs use: `python -m MODULE`, `python tools/X.py`, `megatron-lev-*`."""
+    from megatron_lev import demo, evaluate
+    from megatron_lev.data import corpus
+    from megatron_lev.evaluation import curves, downstream, seeds
+    from megatron_lev.hf.cli import from_hf_parser, to_hf_parser
+    from megatron_lev.models import param_count
+    from megatron_lev.training import validation
+
+    train, preprocess = [build_parser()], [build_preprocess_parser()]
+    commands = {
+        "megatron_lev.train": train, "megatron-lev-train": train,
+        # --world-size, then the trainer's flags
+        "megatron_lev.training.validation": [parser_of_main(validation.main), *train],
+        "megatron_lev.data.preprocess": preprocess, "tools/preprocess_data.py": preprocess,
+        "megatron-lev-preprocess": preprocess,
+        "megatron_lev.evaluate": [evaluate.build_parser()], "megatron_lev.demo": [demo.build_parser()],
+        "tools/convert_to_hf.py": [to_hf_parser()], "tools/convert_from_hf.py": [from_hf_parser()],
+        "tools/param_count.py": [parser_of_main(param_count.main)],
+        "megatron_lev.data.corpus": [parser_of_main(corpus.main)],
+    }
+    commands["megatron-lev-evaluate"] = commands["megatron_lev.evaluate"]
+    commands["megatron-lev-convert-to-hf"] = commands["tools/convert_to_hf.py"]
+    commands["megatron-lev-convert-from-hf"] = commands["tools/convert_from_hf.py"]
+    for module in (curves, downstream, seeds):
+        commands[module.__name__] = [parser_of_main(module.main)]
+    return commands
 
 
 TABLE_HEADING = "## Megatron-LM flag → here"

@@ -2,7 +2,7 @@
 on a machine without the GPUs they need, the device-name -> peak table, and their whole logic
 (--device cpu --tiny, gloo ranks) with assertions on the JSON they write. Not a GPU run: the
 numbers that matter on a cluster (MFU, LEV/tied ratio, bf16 reduction) come from running the
-scripts there (docs/slurm.md, "First day on a cluster")."""
+scripts there (docs/cluster.md, "First day on a cluster")."""
 from __future__ import annotations
 
 import json
