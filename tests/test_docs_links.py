@@ -385,6 +385,7 @@ def test_the_checker_catches_what_does_not_exist():
         'EXTRA_ARGS="--seed 1 --sed 2" sbatch --nodes=2 slurm/train_lev_1b.sh',
         "bash tools/quickstart.sh --publish --no-such-option",
         "megatron-lev-nope --x",
+        "sbatch --nodes 2 --time 01:00:00 slurm/no_such_job.sh && megatron-lev-train --config tiny-lev",
         "python -m megatron_lev.training.validation --world-size 16 --config lev-1.2b --data-path x",
         "```",
         "Run `python benchmarks/bench_train.py --sizes demo --no-such-bench-flag`; set `--lr-warmup-iters`,",
@@ -404,6 +405,7 @@ def test_the_checker_catches_what_does_not_exist():
         "EXTRA_ARGS: no flag --sed",
         "bash tools/quickstart.sh: no flag --no-such-option in the script",
         "megatron-lev-nope: no such entry point in setup.py",
+        "bash slurm/no_such_job.sh: no such script",
         "python benchmarks/bench_train.py: no flag --no-such-bench-flag",
         "`--no-flag-anywhere`: no command of the tree has --no-flag-anywhere",
     ]
