@@ -84,7 +84,7 @@ def commands(rows: list[dict], gpu_type: str) -> list[str]:
 
 
 def markdown(rows: list[dict], gpu_type: str, mfu: float) -> str:
-    out = [f"| size | run | config | parameters | tokens | training FLOPs | {gpu_type.upper()} GPU-hours "
+    out = [f"| size | run | config | parameters | tokens | training FLOPs | estimated {gpu_type.upper()} GPU-hours "
            f"at {mfu:.0%} MFU | x {len(SEEDS)} seeds |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['size']} | {r['run']} | `{r['config']}` | {r['parameters'] / 1e6:,.1f}M | "
