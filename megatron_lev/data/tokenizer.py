@@ -61,18 +61,23 @@ class _PretrainingTokenizer(MegatronTokenizerBase):
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def tokenizer_sha256(path: str) -> str:
-    """SHA-256 of a tokenizer's content: the model file's bytes, or for a folder, the name
-    and bytes of each of its tokenizer.json, tokenizer_config.json and
-    special_tokens_map.json present. Equal content gives an equal hash at any path."""
+def tokenizer_sha256(path: str, *more_files: str) -> str:
+    """SHA-256 of a tokenizer's content: the model file's bytes (then those of `more_files`,
+    such as GPT-2's merges.txt), or for a folder, the name and bytes of each of its
+    tokenizer.json, tokenizer_config.json and special_tokens_map.json present. Equal content
+    gives an equal hash at any path."""
     import hashlib
 
     sha = hashlib.sha256()
     files = [os.path.join(path, name) for name in _HF_TOKENIZER_FILES] if os.path.isdir(path) else [path]
-    for file in files:
+    if more_files:
+        files = [path, *more_files]
+    for i, file in enumerate(files):
         if not os.path.isfile(file):
             continue
-        if len(files) > 1:
+        if more_files:  # the files' order, not their names, tells them apart
+            sha.update(b"\0%d\0" % i)
+        elif len(files) > 1:
             sha.update(os.path.basename(file).encode() + b"\0")
         with open(file, "rb") as f:
             while chunk := f.read(1 << 20):
@@ -238,6 +243,108 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+class GPT2BPETokenizer(_PretrainingTokenizer):
+    """Megatron-LM's GPT2BPETokenizer (The Pile's recipe): GPT-2's byte-level BPE read from a
+    vocab.json (--vocab-file) and a merges.txt (--merge-file); EOD is '<|endoftext|>', there
+    is no BOS and no PAD, and the vocabulary size is the vocab file's entry count.
+
+    The BPE and the pre-tokenization (GPT-2's regex, no prefix space) run in Hugging Face
+    `tokenizers`; the files are read as Megatron-LM's gpt2_tokenization.py reads them, so the
+    ids equal Megatron's (tests/test_gpt2_bpe.py checks ids recorded from Megatron-LM itself).
+    '<|endoftext|>' inside a text is ordinary text there, as it is in Megatron.
+    """
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        super().__init__(vocab_file, merge_file=os.path.abspath(merge_file))
+        self.vocab_file, self.merge_file = vocab_file, merge_file
+        self._vocab = _read_gpt2_vocab(vocab_file)
+        self._merges = _read_gpt2_merges(merge_file)
+        missing = [s for s in pre_tokenizers.ByteLevel.alphabet() if s not in self._vocab]
+        if missing:  # Megatron would map them to id 0 silently
+            raise ValueError(f"--vocab-file {vocab_file}: lacks {len(missing)} of the 256 byte symbols "
+                             f"(e.g. {missing[0]!r}): not a byte-level BPE vocabulary")
+        if GPT2_EOD not in self._vocab:
+            raise ValueError(f"--vocab-file {vocab_file}: no {GPT2_EOD} entry (the end-of-document token)")
+        try:
+            model = models.BPE(self._vocab, self._merges)
+        except Exception as exc:  # tokenizers: a merge whose parts or result are not in the vocabulary
+            raise ValueError(f"--merge-file {merge_file}: does not fit --vocab-file {vocab_file} "
+                             f"({_first_line(exc)})") from None
+        self._tok = Tokenizer(model)
+        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        self._tok.decoder = decoders.ByteLevel()
+
+    def describe(self) -> dict:
+        return {**super().describe(), "merge_file": os.path.abspath(self.merge_file),
+                "sha256": tokenizer_sha256(self.vocab_file, self.merge_file)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)  # Megatron: len(encoder)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return dict(self._vocab)
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        return {i: t for t, i in self._vocab.items()}
+
+    @property
+    def eod(self) -> int:
+        return self._vocab[GPT2_EOD]
+
+    @property
+    def bos(self) -> None:
+        return None
+
+    @property
+    def pad(self) -> int:
+        return NO_PAD
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: Sequence[str], num_threads: int = -1) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+GPT2_EOD = "<|endoftext|>"
+
+
+def _read_gpt2_vocab(path: str) -> dict[str, int]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            vocab = json.load(f)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"--vocab-file {path}: not a JSON vocabulary ({_first_line(exc)})") from None
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+        raise ValueError(f"--vocab-file {path}: not a JSON object of token -> id")
+    return vocab
+
+
+def _read_gpt2_merges(path: str) -> list[tuple[str, str]]:
+    """The merges in rank order, read as Megatron-LM reads them: the first line (the
+    '#version' header) and the last (empty after the final newline) are dropped, a line is
+    split on whitespace, and a pair listed twice takes its later rank."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")[1:-1]
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--merge-file {path}: not UTF-8 text ({_first_line(exc)})") from None
+    rank = {}
+    for i, line in enumerate(lines):
+        pair = tuple(line.split())
+        if len(pair) == 2:  # other lines never match a pair of symbols in Megatron either
+            rank[pair] = i
+    return sorted(rank, key=rank.__getitem__)
+
+
 class Llama2Tokenizer(SentencePieceTokenizer):
     """Megatron-LM's Llama2Tokenizer: a SentencePiece model whose every text starts with BOS
     (its `tokenize(s, bos=True, eos=False)`); EOD is the eos piece."""
@@ -260,13 +367,24 @@ TOKENIZER_TYPES = {
     "GPTSentencePieceTokenizer": SentencePieceTokenizer,
     "Llama2Tokenizer": Llama2Tokenizer,
     "HuggingFaceTokenizer": HuggingFaceTokenizer,
+    "GPT2BPETokenizer": GPT2BPETokenizer,
 }
 
 
-def build_tokenizer(tokenizer_type: str, tokenizer_model: str, **options) -> _PretrainingTokenizer:
-    """The tokenizer for --tokenizer-type / --tokenizer-model, with a clear error for bad flags."""
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, vocab_file: str | None = None,
+                    merge_file: str | None = None, **options) -> _PretrainingTokenizer:
+    """The tokenizer for --tokenizer-type / --tokenizer-model (GPT2BPETokenizer: --vocab-file
+    and --merge-file instead), with a clear error for bad flags."""
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(f"--tokenizer-type {tokenizer_type}: unknown (choose from {', '.join(TOKENIZER_TYPES)})")
+    if tokenizer_type == "GPT2BPETokenizer":
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not path:
+                raise ValueError(f"--tokenizer-type GPT2BPETokenizer needs {flag} (and --vocab-file/--merge-file "
+                                 f"both: GPT-2's vocab.json and merges.txt)")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{flag} {path}: no such file")
+        return GPT2BPETokenizer(vocab_file, merge_file)
     if not tokenizer_model or not os.path.exists(tokenizer_model):
         raise FileNotFoundError(f"--tokenizer-model {tokenizer_model}: no such file")
     return TOKENIZER_TYPES[tokenizer_type](tokenizer_model, **options)

@@ -1,0 +1,107 @@
+"""Megatron-LM's GPT2BPETokenizer (--vocab-file/--merge-file): our ids equal Megatron-LM's.
+
+tests/data/gpt2_bpe/megatron_ids.json holds the ids that Megatron-LM core_v0.16.1's own
+`_GPT2BPETokenizer` (megatron/training/tokenizer/gpt2_tokenization.py) gave for each text of
+corpus.jsonl with vocab.json/merges.txt there (tools/record_megatron_gpt2_ids.py wrote all four).
+"""
+import json
+import os
+
+import pytest
+
+from megatron_lev.data.tokenizer import GPT2BPETokenizer, build_tokenizer, tokenizer_sha256
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "gpt2_bpe")
+VOCAB, MERGES = os.path.join(DATA, "vocab.json"), os.path.join(DATA, "merges.txt")
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    with open(os.path.join(DATA, "megatron_ids.json"), encoding="utf-8") as f:
+        out = json.load(f)
+    with open(os.path.join(DATA, "corpus.jsonl"), encoding="utf-8") as f:
+        out["corpus"] = [json.loads(line)["text"] for line in f]
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return build_tokenizer("GPT2BPETokenizer", vocab_file=VOCAB, merge_file=MERGES)
+
+
+def _mismatches(tokenizer, recorded) -> int:
+    return sum(tokenizer.tokenize(text) != ids for text, ids in zip(recorded["corpus"], recorded["ids"]))
+
+
+def test_ids_equal_megatron_lm(gpt2, recorded):
+    """Every text's ids equal Megatron-LM's, one by one and in a batch; vocab size and EOD too."""
+    assert recorded["megatron_lm"].startswith("core_v0.16.1")
+    assert (len(recorded["corpus"]), recorded["ids_total"]) == (341, 21097)
+    assert (recorded["vocab_sha256"], recorded["merges_sha256"]) == (tokenizer_sha256(VOCAB), tokenizer_sha256(MERGES))
+    assert [gpt2.tokenize(text) for text in recorded["corpus"]] == recorded["ids"]
+    assert gpt2.tokenize_batch(recorded["corpus"]) == recorded["ids"]
+    assert (gpt2.vocab_size, gpt2.eod, gpt2.bos, gpt2.pad) == (recorded["vocab_size"], recorded["eod"], None, -1)
+    assert all(gpt2.detokenize(ids) == text for text, ids in zip(recorded["corpus"], recorded["ids"]))
+
+
+@pytest.mark.parametrize("variant, pattern", [
+    ("add_prefix_space", None),
+    ("whitespace runs kept whole (no `\\s+(?!\\S)`)", GPT2_PATTERN.replace(r"|\s+(?!\S)", "")),
+    ("case-insensitive contractions", "(?i:'s|'t|'re|'ve|'m|'ll|'d)" + GPT2_PATTERN[len("'s|'t|'re|'ve|'m|'ll|'d"):]),
+])
+def test_the_recorded_ids_tell_pre_tokenizations_apart(gpt2, recorded, variant, pattern):
+    """The comparison above has teeth: GPT-2's BPE with another pre-tokenization misses ids."""
+    from tokenizers import Regex, pre_tokenizers
+
+    original = gpt2._tok.pre_tokenizer
+    try:
+        gpt2._tok.pre_tokenizer = (pre_tokenizers.ByteLevel(add_prefix_space=True) if pattern is None else
+                                   pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), "isolated"),
+                                                            pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                     use_regex=False)]))
+        assert _mismatches(gpt2, recorded) > 0
+        gpt2._tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(GPT2_PATTERN), "isolated"),
+                                                           pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                    use_regex=False)])
+        assert _mismatches(gpt2, recorded) == 0  # the same harness with GPT-2's regex spelled out
+    finally:
+        gpt2._tok.pre_tokenizer = original
+
+
+def test_merges_are_read_as_megatron_reads_them(tmp_path, recorded):
+    """Megatron drops the merges file's first line (the '#version' header) and its last (empty
+    after the final newline) whatever they hold; a file without the header loses its first merge."""
+    with open(MERGES, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    headless = tmp_path / "merges.txt"
+    headless.write_text("\n".join(lines[1:]), encoding="utf-8")
+    tok = GPT2BPETokenizer(VOCAB, str(headless))
+    assert len(tok._merges) == len(lines) - 3 and tok._merges[0] == tuple(lines[2].split())
+
+
+def test_bad_flags_and_files(tmp_path):
+    with pytest.raises(ValueError, match=r"^--tokenizer-type GPT2BPETokenizer needs --merge-file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=VOCAB)
+    missing = str(tmp_path / "nope.txt")
+    with pytest.raises(FileNotFoundError, match=f"^--merge-file {missing}: no such file$"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=VOCAB, merge_file=missing)
+    with open(VOCAB, encoding="utf-8") as f:
+        vocab = json.load(f)
+    no_eod = tmp_path / "no_eod.json"
+    no_eod.write_text(json.dumps({t: i for t, i in vocab.items() if t != "<|endoftext|>"}))
+    with pytest.raises(ValueError, match=f"^--vocab-file {no_eod}: no <\\|endoftext\\|> entry"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(no_eod), merge_file=MERGES)
+    no_bytes = tmp_path / "no_bytes.json"
+    no_bytes.write_text(json.dumps({"<|endoftext|>": 0, "a": 1}))
+    with pytest.raises(ValueError, match=f"^--vocab-file {no_bytes}: lacks 255 of the 256 byte symbols"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(no_bytes), merge_file=MERGES)
+
+
+def test_describe_hashes_both_files(gpt2, tmp_path):
+    other = tmp_path / "merges.txt"
+    with open(MERGES, encoding="utf-8") as f:
+        other.write_text(f.read() + "Ġ Ġ\n", encoding="utf-8")
+    described = gpt2.describe()
+    assert described["type"] == "GPT2BPETokenizer" and described["merge_file"] == os.path.abspath(MERGES)
+    assert described["sha256"] == tokenizer_sha256(VOCAB, MERGES) != tokenizer_sha256(VOCAB, str(other))
