@@ -92,8 +92,8 @@ def test_sentencepiece_tokenizer_round_trips_text(spm, spm_tokenizer, corpus_tex
     assert spm.unique_identifiers["tokenizer_path"] == os.path.abspath(spm_tokenizer)
     with pytest.raises(FileNotFoundError, match="--tokenizer-model /no/such.model: no such file"):
         build_tokenizer("SentencePieceTokenizer", "/no/such.model")
-    with pytest.raises(ValueError, match="--tokenizer-type GPT2BPETokenizer: unknown"):
-        build_tokenizer("GPT2BPETokenizer", spm_tokenizer)
+    with pytest.raises(ValueError, match="--tokenizer-type BertWordPieceCase: unknown"):
+        build_tokenizer("BertWordPieceCase", spm_tokenizer)
 
 
 def test_huggingface_tokenizer_special_tokens_and_round_trip(tmp_path, corpus_texts):

@@ -105,3 +105,56 @@ def test_describe_hashes_both_files(gpt2, tmp_path):
     described = gpt2.describe()
     assert described["type"] == "GPT2BPETokenizer" and described["merge_file"] == os.path.abspath(MERGES)
     assert described["sha256"] == tokenizer_sha256(VOCAB, MERGES) != tokenizer_sha256(VOCAB, str(other))
+
+
+@pytest.fixture
+def single_rank():
+    """torch.distributed and megatron-core groups for one in-process rank (TP = PP = 1)."""
+    import torch.distributed as dist
+
+    from megatron_lev.distributed.launch import init_distributed
+    from megatron_lev.distributed.state import destroy_parallel, initialize_model_parallel
+
+    saved = {k: os.environ.pop(k, None) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    assert not dist.is_initialized()
+    init_distributed(backend="gloo")
+    initialize_model_parallel(1, 1)
+    yield
+    destroy_parallel()
+    for key, value in saved.items():
+        os.environ.pop(key, None)
+        if value is not None:
+            os.environ[key] = value
+
+
+def test_megatron_pile_recipe_preprocesses_and_sizes_the_model(tmp_path, recorded, capsys, single_rank):
+    """Megatron's flags end to end: preprocess_data.py with GPT2BPETokenizer (two workers) writes
+    Megatron's ids + EOD; a tiny-lev run (packaged vocab_size 1000) on that data takes the
+    tokenizer's 3000 tokens, padded to 3072 as Megatron logs it, and the model has 3072 rows."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_lev.data.preprocess import main as preprocess_main
+    from megatron_lev.models.decoder import build_model
+    from megatron_lev.training.validation import validate_run
+
+    tokenizer_flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", VOCAB, "--merge-file", MERGES]
+    prefix = str(tmp_path / "pile")
+    preprocess_main(["--input", os.path.join(DATA, "corpus.jsonl"), "--output-prefix", prefix, *tokenizer_flags,
+                     "--append-eod", "--workers", "2", "--chunk-size-mb", "0.01"])
+    dataset = IndexedDataset(prefix + "_text_document")
+    eod = recorded["eod"]
+    kept = [ids + [eod] for text, ids in zip(recorded["corpus"], recorded["ids"]) if text.strip()]  # 3 blank ones
+    assert len(kept) == 338 and [dataset[i].tolist() for i in range(len(dataset))] == kept  # are skipped
+    capsys.readouterr()
+
+    run = validate_run(["--config", "tiny-lev", "--data-path", prefix + "_text_document", "--split", "90,5,5",
+                        *tokenizer_flags, "--train-iters", "4"], world_size=1)
+    assert capsys.readouterr().out == " > padded vocab (size: 3000) with 72 dummy tokens (new size: 3072)\n"
+    assert (run.model_config.vocab_size, run.model_config.padded_vocab_size) == (3000, 3072)
+    assert run.config["tokenizer"]["type"] == "GPT2BPETokenizer"
+    model = build_model(run.model_config)
+    rows = {name: tuple(p.shape) for name, p in model.named_parameters() if p.shape[0] == 3072}
+    assert rows and all(shape[-1] == 64 for shape in rows.values()), rows  # the output layer: 3072 x hidden 64
+    with pytest.raises(ValueError, match="^--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file$"):
+        validate_run(["--config", "tiny-lev", "--data-path", prefix + "_text_document", "--tokenizer-type",
+                      "GPT2BPETokenizer", "--vocab-file", VOCAB, "--train-iters", "4"], world_size=1)

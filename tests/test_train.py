@@ -207,7 +207,8 @@ def test_clear_errors(two_rank_runs, tiny_dataset, spm_tokenizer, tmp_path, monk
     small = tmp_path / "small-vocab.yaml"
     small.write_text("base: tiny-lev\nmodel: {vocab_size: 500}\n")
     err = _main_error(monkeypatch, capsys, *flags, "--config", str(small))
-    assert f"--tokenizer-model {spm_tokenizer} has 1000 tokens but the model's vocab_size is 500" in err
+    assert err == (f"megatron_lev.train: error: {small}: model.vocab_size 500 is smaller than the 1000 tokens of "
+                   f"--tokenizer-model {spm_tokenizer}: remove vocab_size (the tokenizer sets it) or raise it")
     # The resume test's checkpoints hold a lev model: a tied run must not load them.
     ckpt = os.path.join(two_rank_runs, "ckpt_resume")
     err = _main_error(monkeypatch, capsys, *flags, "--config", "tiny-tied", "--load", ckpt)

@@ -285,21 +285,51 @@ def test_flops_formula():
 
 
 def test_vocab_size_follows_the_tokenizer_unless_pinned(tmp_path):
-    """A model section without vocab_size takes the tokenizer's, padded as Megatron pads
-    (--make-vocab-size-divisible-by x TP); a pinned one stays."""
+    """Issue 25: as Megatron-LM, the tokenizer gives the vocabulary, padded to a multiple of
+    --make-vocab-size-divisible-by x TP; a packaged config's vocab_size (tiny-lev: 1000) is only a
+    default, a user's YAML that sets it keeps it, and one smaller than the tokenizer is refused."""
     from megatron_lev.training.arguments import derive_vocab_size
     from megatron_lev.training.validation import build_model_config
 
-    yaml_path = tmp_path / "unpinned.yaml"
-    yaml_path.write_text("base: tiny-lev\nmodel:\n  vocab_size: null\n")
-    args = validate_args(parse_args(["--config", str(yaml_path), *DATA, "--tensor-model-parallel-size", "2",
-                                     "--make-vocab-size-divisible-by", "128"]), 2)
-    derive_vocab_size(args, 8000)
+    args = args_for("--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "128")
+    assert args.vocab_size_source is None and args.model["vocab_size"] == 1000  # tiny-lev.yaml's default
+    assert derive_vocab_size(args, 4000) == 4096
     config = build_model_config(args)
-    assert (config.vocab_size, config.padded_vocab_size) == (8000, 8192)  # multiple of 128 x 2
-    pinned = args_for()
-    derive_vocab_size(pinned, 8000)
-    assert build_model_config(pinned).vocab_size == 1000  # tiny-lev.yaml sets it
+    assert (config.vocab_size, config.padded_vocab_size) == (4000, 4096)  # multiple of 128 x 2
+    unpinned = tmp_path / "unpinned.yaml"
+    unpinned.write_text("base: tiny-lev\nmodel:\n  vocab_size: null\n")
+    args = validate_args(parse_args(["--config", str(unpinned), *DATA]), 1)
+    assert args.vocab_size_source is None and derive_vocab_size(args, 8000) == 8064  # multiple of 128
+    pinned = tmp_path / "pinned.yaml"
+    pinned.write_text("base: tiny-lev\nmodel:\n  vocab_size: 50304\n")
+    child = tmp_path / "child.yaml"  # a user's file that inherits the pin
+    child.write_text("base: pinned.yaml\nmodel:\n  num_layers: 1\n")
+    for path, source in ((pinned, pinned), (child, pinned)):
+        args = validate_args(parse_args(["--config", str(path), *DATA]), 1)
+        assert args.vocab_size_source == str(source)
+        assert derive_vocab_size(args, 50277) == 50304 and build_model_config(args).vocab_size == 50304
+    small = tmp_path / "small.yaml"
+    small.write_text("base: tiny-lev\nmodel:\n  vocab_size: 500\n")
+    with pytest.raises(ConfigError) as err:
+        derive_vocab_size(validate_args(parse_args(["--config", str(small), *DATA]), 1), 1000)
+    assert str(err.value) == (f"{small}: model.vocab_size 500 is smaller than the 1000 tokens of --tokenizer-model "
+                              "/nonexistent/spm.model: remove vocab_size (the tokenizer sets it) or raise it")
+
+
+@pytest.mark.parametrize("vocab_size, divisible_by, tp, padded", [
+    # Megatron-LM core_v0.16.1's _vocab_size_with_padding (megatron/training/tokenizer/tokenizer.py), run on
+    # these inputs: GPT-2 (50257), GPT-NeoX (50277), 4k and a size already a multiple.
+    (50257, 128, 1, 50304), (50257, 128, 2, 50432), (50277, 128, 1, 50304), (50277, 128, 2, 50432),
+    (4000, 128, 1, 4096), (4000, 128, 2, 4096), (4100, 128, 1, 4224), (4100, 128, 2, 4352),
+    (1000, 64, 2, 1024), (4096, 128, 2, 4096), (3000, 1, 1, 3000), (3001, 1, 2, 3002),
+])
+def test_vocab_padding_is_megatrons(vocab_size, divisible_by, tp, padded):
+    from megatron_lev.models.config import pad_vocab_size
+    from megatron_lev.training.arguments import padded_vocab_line
+
+    assert pad_vocab_size(vocab_size, divisible_by, tp) == padded
+    assert padded_vocab_line(vocab_size, padded) == (f" > padded vocab (size: {vocab_size}) with "
+                                                     f"{padded - vocab_size} dummy tokens (new size: {padded})")
 
 
 def test_validation_runs_every_check_without_a_process_group(tmp_path, tiny_dataset, spm_tokenizer, capsys):
@@ -315,7 +345,9 @@ def test_validation_runs_every_check_without_a_process_group(tmp_path, tiny_data
             "--save", str(tmp_path / "run")]
     assert main(["--world-size", "2", *good]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("config ") and "TP 1 x PP 1 x DP 2" in out
+    # Megatron's padding line first (tokenizer: 1000 tokens), then the summary.
+    assert out.startswith(" > padded vocab (size: 1000) with 24 dummy tokens (new size: 1024)\nconfig ")
+    assert "TP 1 x PP 1 x DP 2" in out
     assert not dist.is_initialized()
     assert main(["--world-size", "3", *good]) == 2  # global batch 8 does not split over 3 ranks
     assert capsys.readouterr().err.splitlines() == [

@@ -51,12 +51,32 @@ def _load_with_bases(path: Path, chain: tuple) -> dict:
     base = data.pop("base", None)
     if base is None:
         return data
+    return _merge(_load_with_bases(_base_path(path, base), (*chain, path)), data)
+
+
+def _base_path(path: Path, base) -> Path:
     relative = path.parent / str(base)
     try:
         base_path = relative if relative.suffix in (".yaml", ".yml") and relative.is_file() else config_path(base)
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"{path}: base: {exc}") from None
-    return _merge(_load_with_bases(base_path.resolve(), (*chain, path)), data)
+    return base_path.resolve()
+
+
+def model_field_source(name_or_path: str | Path, field: str) -> str | None:
+    """The user's file that sets the loaded config's `model.<field>` (the last word along the
+    `base:` chain), or None when a packaged config sets it, or nothing does, or it is null.
+    Tells a packaged default (e.g. vocab_size, which the tokenizer replaces) from a choice."""
+    path = config_path(name_or_path).resolve()
+    while True:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+        model = data.get("model") or {}
+        if isinstance(model, dict) and field in model:
+            return None if model[field] is None or path.parent == CONFIG_DIR else str(path)
+        if data.get("base") is None:
+            return None
+        path = _base_path(path, data["base"])
 
 
 def _merge(base: dict, override: dict) -> dict:

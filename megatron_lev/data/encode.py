@@ -113,14 +113,15 @@ class BlockResult:
 _WORKER_TOKENIZER = None
 
 
-def _init_worker(tokenizer_type: str, tokenizer_model: str) -> None:
+def _init_worker(tokenizer_type: str, tokenizer_model: str | None, vocab_file: str | None = None,
+                 merge_file: str | None = None) -> None:
     global _WORKER_TOKENIZER
     # Forked workers inherit the main process's handlers: SIGTERM (from the main process
     # stopping them) just ends a worker; Ctrl-C reaches the whole process group, and the
     # main process stops the workers itself.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _WORKER_TOKENIZER = build_tokenizer(tokenizer_type, tokenizer_model)
+    _WORKER_TOKENIZER = build_tokenizer(tokenizer_type, tokenizer_model, vocab_file, merge_file)
 
 
 # Characters handed to one batch-encode call. Bounds the ids held as Python ints (~40

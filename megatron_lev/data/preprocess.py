@@ -176,7 +176,7 @@ def preprocess(args: argparse.Namespace, log=sys.stderr) -> PreprocessSummary:
     """Run the whole preprocessing job described by parsed flags (see build_parser)."""
     try:
         files = expand_inputs(args.input)
-        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        tokenizer = build_tokenizer(*tokenizer_flags(args))
     except (FileNotFoundError, ValueError) as exc:
         raise PreprocessError(str(exc)) from None
     if args.workers < 1:
@@ -287,7 +287,7 @@ def _run(args, files, tokenizer, keys, dtype, work_dir, log) -> PreprocessSummar
         method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
         max_in_flight = args.workers + 2
         pool = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context(method),
-                                   initializer=_init_worker, initargs=(args.tokenizer_type, args.tokenizer_model))
+                                   initializer=_init_worker, initargs=tokenizer_flags(args))
         try:
             in_flight = collections.deque()
             for task in tasks():
@@ -375,11 +375,22 @@ PREPROCESS_IGNORED = {
 PREPROCESS_REFUSED = {
     "--split-sentences": (0, "sentence splitting (nltk punkt) is for BERT-style sentence datasets; GPT "
                              "pre-training uses whole documents"),
-    "--vocab-file": (1, "GPT2BPETokenizer is not implemented: save the GPT-2 vocab/merges as a Hugging Face "
-                        "tokenizer.json and use --tokenizer-type HuggingFaceTokenizer"),
-    "--merge-file": (1, "GPT2BPETokenizer is not implemented: save the GPT-2 vocab/merges as a Hugging Face "
-                        "tokenizer.json and use --tokenizer-type HuggingFaceTokenizer"),
 }
+
+
+def tokenizer_flags(args: argparse.Namespace) -> tuple:
+    """build_tokenizer's arguments from the flags (GPT2BPETokenizer: --vocab-file/--merge-file,
+    the others --tokenizer-model), each checked for the type that needs it."""
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        if args.tokenizer_model is not None:
+            raise PreprocessError("--tokenizer-type GPT2BPETokenizer takes --vocab-file and --merge-file, "
+                                  "not --tokenizer-model")
+    elif args.tokenizer_model is None:
+        raise PreprocessError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+    elif args.vocab_file is not None or args.merge_file is not None:
+        raise PreprocessError(f"--vocab-file/--merge-file belong to --tokenizer-type GPT2BPETokenizer; "
+                              f"{args.tokenizer_type} takes --tokenizer-model only")
+    return args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file
 
 
 PREPROCESS_OWN_FLAGS = ("--split-by-key", "--chunk-size-mb", "--strict", "--max-bad-reports", "--allow-truncated")
@@ -397,7 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write one dataset per value of this key, e.g. meta.pile_set_name")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, choices=sorted(TOKENIZER_TYPES))
-    g.add_argument("--tokenizer-model", required=True)
+    g.add_argument("--tokenizer-model", help="SentencePiece .model, or a Hugging Face tokenizer.json or folder")
+    g.add_argument("--vocab-file", help="GPT2BPETokenizer: GPT-2's vocab.json (e.g. gpt2-vocab.json)")
+    g.add_argument("--merge-file", help="GPT2BPETokenizer: GPT-2's merges.txt (e.g. gpt2-merges.txt)")
     g.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", required=True)

@@ -58,8 +58,6 @@ TRAIN_REFUSED = {
                       "without the optimizer state"),
     "--use-checkpoint-args": (0, "--config defines the model; a checkpoint of another model is refused"),
     "--ckpt-format": (1, "checkpoints are DeepSpeed's (tools/convert_to_hf.py / convert_from_hf.py convert)"),
-    "--vocab-file": (1, "training takes --tokenizer-model (SentencePiece .model or a Hugging Face folder)"),
-    "--merge-file": (1, "training takes --tokenizer-model (SentencePiece .model or a Hugging Face folder)"),
 }
 
 # Supported, with Megatron's meaning; what is worth knowing about a few of them here.
@@ -71,8 +69,11 @@ SUPPORTED_NOTES = {
     "--exit-signal-handler": "on by default here (SIGTERM and SIGUSR1)",
     "--log-throughput": "adds TFLOP/s per GPU (and MFU with --gpu-type) to the log line",
     "--local-rank": "the deepspeed launcher's; the rank is read from the environment",
-    "--tokenizer-type": "SentencePieceTokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer; preprocessing "
-                        "also Llama2Tokenizer (BOS first); GPT2BPETokenizer: not implemented",
+    "--tokenizer-type": "GPT2BPETokenizer (--vocab-file, --merge-file; Megatron-LM's ids), SentencePieceTokenizer, "
+                        "GPTSentencePieceTokenizer, HuggingFaceTokenizer; preprocessing also Llama2Tokenizer "
+                        "(BOS first)",
+    "--make-vocab-size-divisible-by": "pads the tokenizer's vocabulary to a multiple of this x TP (default 128), "
+                                      "as Megatron",
 }
 
 # Flags of megatron_lev.train that Megatron-LM does not have.

@@ -27,7 +27,8 @@ from megatron_lev.checkpointing.universal import layout_changes, zero_stage
 from megatron_lev.data.datasets import max_token_id, plan_datasets, preprocessing_stats
 from megatron_lev.data.tokenizer import build_tokenizer
 from megatron_lev.models.config import LeviathanConfig, model_config_from_dict
-from megatron_lev.training.arguments import derive_vocab_size, effective_config, parse_args, validate_args
+from megatron_lev.training.arguments import (derive_vocab_size, effective_config, padded_vocab_line, parse_args,
+                                             tokenizer_source, validate_args)
 from megatron_lev.training.batches import dataset_arguments
 from megatron_lev.training.ds_config import build_deepspeed_config
 from megatron_lev.training.optim import schedule_mismatch
@@ -58,10 +59,12 @@ def validate_run(argv=None, world_size: int = 1, rank: int = 0) -> Run:
     check_deepspeed_version(ds_config, args.deepspeed_config_path)
     plan = plan_datasets(**dataset_arguments(args))
     prefixes = data_prefixes(args, plan)
-    if not os.path.exists(args.tokenizer_model):
+    if args.tokenizer_model is not None and not os.path.exists(args.tokenizer_model):
         raise ConfigError(f"--tokenizer-model {args.tokenizer_model}: no such file")
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
-    derive_vocab_size(args, tokenizer.vocab_size)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
+    padded = derive_vocab_size(args, tokenizer.vocab_size)
+    if rank == 0:
+        print(padded_vocab_line(args.model["vocab_size"], padded), flush=True)
     model_config = build_model_config(args)
     check_vocab(args, tokenizer, prefixes, model_config.vocab_size)
     check_data_tokenizer(args, tokenizer, prefixes)
@@ -130,7 +133,7 @@ def data_prefixes(args, plan) -> list[tuple[str, str]]:
 def check_vocab(args, tokenizer, prefixes: list[tuple[str, str]], vocab_size: int) -> None:
     """Ids the model's vocabulary cannot hold stop the run here."""
     if tokenizer.vocab_size > vocab_size:
-        raise ConfigError(f"--tokenizer-model {args.tokenizer_model} has {tokenizer.vocab_size} tokens but the "
+        raise ConfigError(f"{tokenizer_source(args)} has {tokenizer.vocab_size} tokens but the "
                           f"model's vocab_size is {vocab_size} ({args.config}): raise model.vocab_size")
     for flag, prefix in prefixes:
         highest = max_token_id(prefix)
@@ -148,7 +151,7 @@ def check_data_tokenizer(args, tokenizer, prefixes: list[tuple[str, str]]) -> No
         if recorded.get("sha256") and recorded["sha256"] != now["sha256"]:
             raise ConfigError(
                 f"{flag} {prefix}: was tokenized with {recorded.get('model')} (sha256 {recorded['sha256'][:12]}), "
-                f"but --tokenizer-model {args.tokenizer_model} is another tokenizer (sha256 {now['sha256'][:12]}): "
+                f"but {tokenizer_source(args)} is another tokenizer (sha256 {now['sha256'][:12]}): "
                 "train with the data's tokenizer or preprocess the data again with this one")
 
 
