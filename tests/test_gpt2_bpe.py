@@ -158,3 +158,26 @@ def test_megatron_pile_recipe_preprocesses_and_sizes_the_model(tmp_path, recorde
     with pytest.raises(ValueError, match="^--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file$"):
         validate_run(["--config", "tiny-lev", "--data-path", prefix + "_text_document", "--tokenizer-type",
                       "GPT2BPETokenizer", "--vocab-file", VOCAB, "--train-iters", "4"], world_size=1)
+
+
+def test_huggingface_tokenizer_takes_a_hub_name_from_the_cache(gpt2, recorded, tmp_path, monkeypatch):
+    """--tokenizer-type HuggingFaceTokenizer --tokenizer-model org/name (Megatron's AutoTokenizer
+    form) reads the Hub cache's tokenizer.json and config; never the network."""
+    import huggingface_hub.constants
+
+    from megatron_lev.data.tokenizer import HuggingFaceTokenizer
+
+    snapshot = tmp_path / "models--example-org--gpt2-test" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (tmp_path / "models--example-org--gpt2-test" / "refs").mkdir()
+    (tmp_path / "models--example-org--gpt2-test" / "refs" / "main").write_text("a" * 40)
+    gpt2._tok.save(str(snapshot / "tokenizer.json"))
+    (snapshot / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    hub = build_tokenizer("HuggingFaceTokenizer", "example-org/gpt2-test")
+    assert isinstance(hub, HuggingFaceTokenizer) and hub.path == str(snapshot)
+    assert hub.tokenize_batch(recorded["corpus"]) == recorded["ids"] and hub.eod == recorded["eod"]
+    with pytest.raises(FileNotFoundError, match=r"^--tokenizer-model example-org/other: no such file, nor a Hugging "
+                                                r"Face Hub tokenizer in this machine's cache \(fetch it once: hf "
+                                                r"download example-org/other tokenizer.json"):
+        build_tokenizer("HuggingFaceTokenizer", "example-org/other")

@@ -142,7 +142,10 @@ _HF_PAD_NAMES = ("<pad>", "<|padding|>", "<|pad|>", "[PAD]")
 
 
 class HuggingFaceTokenizer(_PretrainingTokenizer):
-    """A Hugging Face `tokenizers` tokenizer: a tokenizer.json file or a folder holding one.
+    """A Hugging Face `tokenizers` tokenizer: a tokenizer.json file or a folder holding one (or,
+    through build_tokenizer, a Hub model name such as EleutherAI/gpt-neox-20b, as Megatron-LM's
+    HuggingFaceTokenizer takes). Ids are the text's alone: no BOS/EOS is added (Megatron's
+    AutoTokenizer call adds the tokenizer's own, e.g. Llama's BOS).
 
     Special tokens come from the arguments, else from tokenizer_config.json /
     special_tokens_map.json in the same folder, else from the usual names
@@ -385,9 +388,29 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, voc
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{flag} {path}: no such file")
         return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "HuggingFaceTokenizer" and tokenizer_model and not os.path.exists(tokenizer_model):
+        tokenizer_model = hub_tokenizer_folder(tokenizer_model)  # a Hub name, as Megatron's AutoTokenizer takes
     if not tokenizer_model or not os.path.exists(tokenizer_model):
         raise FileNotFoundError(f"--tokenizer-model {tokenizer_model}: no such file")
     return TOKENIZER_TYPES[tokenizer_type](tokenizer_model, **options)
+
+
+def hub_tokenizer_folder(name: str) -> str:
+    """The Hugging Face Hub cache's folder holding model `name`'s tokenizer.json (with its
+    tokenizer_config.json / special_tokens_map.json when cached). The cache only: every rank of
+    a job reads the same files, and no rank downloads (fetch once with `hf download`)."""
+    from huggingface_hub import hf_hub_download
+
+    if name.startswith((".", "/", "~")) or name.endswith((".json", ".model")) or name.count("/") > 1:
+        raise FileNotFoundError(f"--tokenizer-model {name}: no such file")
+    try:
+        file = hf_hub_download(name, "tokenizer.json", local_files_only=True)
+    except Exception:  # not cached, or not a valid repository name
+        raise FileNotFoundError(
+            f"--tokenizer-model {name}: no such file, nor a Hugging Face Hub tokenizer in this machine's cache "
+            f"(fetch it once: hf download {name} tokenizer.json tokenizer_config.json special_tokens_map.json)"
+        ) from None
+    return os.path.dirname(file)  # the snapshot folder: the optional files sit beside it when cached
 
 
 # ---------------------------------------------------------------------------------------

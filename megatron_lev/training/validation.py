@@ -59,8 +59,6 @@ def validate_run(argv=None, world_size: int = 1, rank: int = 0) -> Run:
     check_deepspeed_version(ds_config, args.deepspeed_config_path)
     plan = plan_datasets(**dataset_arguments(args))
     prefixes = data_prefixes(args, plan)
-    if args.tokenizer_model is not None and not os.path.exists(args.tokenizer_model):
-        raise ConfigError(f"--tokenizer-model {args.tokenizer_model}: no such file")
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
     padded = derive_vocab_size(args, tokenizer.vocab_size)
     if rank == 0:
