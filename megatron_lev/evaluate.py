@@ -154,14 +154,18 @@ def data_settings(args, models: list[LoadedModel]) -> dict:
         data["split"] = args.split or trained.get("split")
     else:
         raise ValueError("--data-path is required (no checkpoint among the --model's to take it from)")
-    tokenizer_type = args.tokenizer_type or (None if args.tokenizer_model else trained.get("tokenizer_type"))
-    tokenizer_model = args.tokenizer_model or trained.get("tokenizer_model")
+    given = args.tokenizer_model or args.vocab_file
+    tokenizer_type = args.tokenizer_type or (None if given else trained.get("tokenizer_type"))
+    tokenizer_model = args.tokenizer_model or (None if given else trained.get("tokenizer_model"))
+    gpt2_files = {k: getattr(args, k) or (None if given else trained.get(k)) for k in ("vocab_file", "merge_file")}
     hf = next((m for m in models if m.kind == "hf"), None)
-    if tokenizer_model is None and hf is not None:
+    if tokenizer_type == "GPT2BPETokenizer":  # Megatron's GPT-2 BPE: --vocab-file and --merge-file
+        pass
+    elif tokenizer_model is None and hf is not None:
         from megatron_lev.hf.export import check_hf_tokenizer
 
         tokenizer_model = check_hf_tokenizer(hf.path, hf.vocab_size)
-    if tokenizer_model is None:
+    if tokenizer_model is None and tokenizer_type != "GPT2BPETokenizer":
         raise ValueError("--tokenizer-model is required (no checkpoint or HF folder names one)")
     if tokenizer_type is None:
         from megatron_lev.hf.export import infer_tokenizer_type
@@ -172,7 +176,7 @@ def data_settings(args, models: list[LoadedModel]) -> dict:
         seq_length = getattr(hf.module.config, "max_position_embeddings", None)
     if not seq_length:
         raise ValueError("--seq-length is required")
-    return {**data, "tokenizer_type": tokenizer_type, "tokenizer_model": tokenizer_model,
+    return {**data, "tokenizer_type": tokenizer_type, "tokenizer_model": tokenizer_model, **gpt2_files,
             "seq_length": int(seq_length), "seed": args.seed if args.seed is not None else trained.get("seed", 1234),
             "data_cache_path": args.data_cache_path or trained.get("data_cache_path"),
             "eval_split": args.eval_split}
@@ -183,7 +187,8 @@ def build_eval_dataset(settings: dict, eval_tokens: Optional[int]):
     from megatron_lev.data.datasets import build_train_valid_test_datasets, parse_blend
     from megatron_lev.data.tokenizer import build_tokenizer
 
-    tokenizer = build_tokenizer(settings["tokenizer_type"], settings["tokenizer_model"])
+    tokenizer = build_tokenizer(settings["tokenizer_type"], settings["tokenizer_model"], settings.get("vocab_file"),
+                                settings.get("merge_file"))
     seq = settings["seq_length"]
     needed = None if eval_tokens is None else -(-eval_tokens // seq)
     split_index = ("train", "valid", "test").index(settings["eval_split"])
@@ -365,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, help="dataset shuffling seed (default: the checkpoint's --seed)")
     g.add_argument("--tokenizer-type")
     g.add_argument("--tokenizer-model")
+    g.add_argument("--vocab-file", help="GPT2BPETokenizer: GPT-2's vocab.json")
+    g.add_argument("--merge-file", help="GPT2BPETokenizer: GPT-2's merges.txt")
     g.add_argument("--data-cache-path")
     g.add_argument("--micro-batch-size", type=int, default=8)
     g = p.add_argument_group("frequency-stratified perplexity")

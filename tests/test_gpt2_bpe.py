@@ -181,3 +181,45 @@ def test_huggingface_tokenizer_takes_a_hub_name_from_the_cache(gpt2, recorded, t
                                                 r"Face Hub tokenizer in this machine's cache \(fetch it once: hf "
                                                 r"download example-org/other tokenizer.json"):
         build_tokenizer("HuggingFaceTokenizer", "example-org/other")
+
+
+def test_hf_export_of_the_tokenizer_keeps_megatrons_ids(recorded, tmp_path):
+    """A GPT2BPETokenizer run's HF release: the exported tokenizer.json, loaded by transformers'
+    AutoTokenizer, gives Megatron-LM's ids, and EOS is <|endoftext|>. One difference, the Hub's
+    gpt2 tokenizer's too: there the text "<|endoftext|>" is the EOS token, not ordinary text."""
+    from transformers import AutoTokenizer
+
+    from megatron_lev.hf.export import ExportError, load_tokenizer, write_tokenizer
+
+    tokenizer = load_tokenizer("GPT2BPETokenizer", None, 3072, "the checkpoint's tokenizer", VOCAB, MERGES)
+    write_tokenizer(tokenizer, str(tmp_path), model_max_length=4096)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    plain = [i for i, text in enumerate(recorded["corpus"]) if "<|endoftext|>" not in text]
+    assert len(plain) == 340
+    assert [hf(recorded["corpus"][i], add_special_tokens=False).input_ids for i in plain] == [
+        recorded["ids"][i] for i in plain]
+    assert hf("a<|endoftext|>b", add_special_tokens=False).input_ids == [*hf("a").input_ids, recorded["eod"],
+                                                                         *hf("b").input_ids]
+    assert (hf.eos_token, hf.eos_token_id, hf.bos_token, hf.pad_token) == ("<|endoftext|>", recorded["eod"], None, None)
+    with pytest.raises(ExportError, match=r"^the checkpoint's tokenizer --vocab-file .*merges.txt has 3000 tokens "
+                                          r"but the model's vocab_size is 2000"):
+        load_tokenizer("GPT2BPETokenizer", None, 2000, "the checkpoint's tokenizer", VOCAB, MERGES)
+
+
+def test_evaluation_takes_the_checkpoints_gpt2_files(tmp_path):
+    """evaluate.py without tokenizer flags uses the GPT-2 files the checkpoint's run trained with."""
+    from megatron_lev.evaluate import LoadedModel, build_parser, data_settings
+
+    trained = {"training": {"data_path": ["/data/pile_text_document"], "split": "969,30,1", "seq_length": 128,
+                            "tokenizer_type": "GPT2BPETokenizer", "tokenizer_model": None, "vocab_file": VOCAB,
+                            "merge_file": MERGES}}
+    model = LoadedModel("run", "checkpoint", str(tmp_path), None, 3072, training_config=trained)
+    args = build_parser().parse_args(["--model", str(tmp_path), "--output-dir", str(tmp_path)])
+    settings = data_settings(args, [model])
+    assert (settings["tokenizer_type"], settings["tokenizer_model"], settings["vocab_file"], settings["merge_file"]) \
+        == ("GPT2BPETokenizer", None, VOCAB, MERGES)
+    args = build_parser().parse_args(["--model", str(tmp_path), "--output-dir", str(tmp_path), "--tokenizer-type",
+                                      "SentencePieceTokenizer", "--tokenizer-model", "/other/tok.model"])
+    settings = data_settings(args, [model])
+    assert (settings["tokenizer_type"], settings["tokenizer_model"], settings["vocab_file"]) == (
+        "SentencePieceTokenizer", "/other/tok.model", None)

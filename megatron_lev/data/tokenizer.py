@@ -279,6 +279,12 @@ class GPT2BPETokenizer(_PretrainingTokenizer):
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         self._tok.decoder = decoders.ByteLevel()
 
+    def backend_tokenizer(self):
+        """A copy of the `tokenizers.Tokenizer` that encodes (what a tokenizer.json holds)."""
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_str(self._tok.to_str())
+
     def describe(self) -> dict:
         return {**super().describe(), "merge_file": os.path.abspath(self.merge_file),
                 "sha256": tokenizer_sha256(self.vocab_file, self.merge_file)}

@@ -291,15 +291,23 @@ def infer_tokenizer_type(path: str) -> str:
     return "SentencePieceTokenizer"
 
 
-def load_tokenizer(tokenizer_type: Optional[str], tokenizer_model: str, vocab_size: int, flag: str = "--tokenizer-model"):
+def load_tokenizer(tokenizer_type: Optional[str], tokenizer_model: str, vocab_size: int, flag: str = "--tokenizer-model",
+                   vocab_file: Optional[str] = None, merge_file: Optional[str] = None):
     """Our pre-training tokenizer, checked against the model: it may not produce an id the
     model cannot embed (fewer tokens than vocab_size is fine: padded vocabularies such as
-    GPT-NeoX's 50,277 tokens in a 50,304-row model)."""
+    GPT-NeoX's 50,277 tokens in a 50,304-row model). GPT2BPETokenizer: vocab_file/merge_file."""
     from megatron_lev.data.tokenizer import build_tokenizer
 
-    if not tokenizer_model or not os.path.exists(tokenizer_model):
+    if tokenizer_type == "GPT2BPETokenizer":
+        try:
+            tokenizer = build_tokenizer(tokenizer_type, None, vocab_file, merge_file)
+        except (FileNotFoundError, ValueError) as exc:
+            raise ExportError(f"{flag}: {exc}") from None
+        tokenizer_model = f"--vocab-file {vocab_file} --merge-file {merge_file}"
+    elif not tokenizer_model or not os.path.exists(tokenizer_model):
         raise ExportError(f"{flag} {tokenizer_model}: no such file")
-    tokenizer = build_tokenizer(tokenizer_type or infer_tokenizer_type(tokenizer_model), tokenizer_model)
+    else:
+        tokenizer = build_tokenizer(tokenizer_type or infer_tokenizer_type(tokenizer_model), tokenizer_model)
     if tokenizer.vocab_size > vocab_size:
         raise ExportError(f"{flag} {tokenizer_model} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                           f"{vocab_size}: not the tokenizer this model was trained with")
@@ -335,12 +343,14 @@ def write_tokenizer(tokenizer, out_dir: str, model_max_length: int) -> None:
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from megatron_lev.data.tokenizer import SentencePieceTokenizer
+    from megatron_lev.data.tokenizer import GPT2BPETokenizer, SentencePieceTokenizer
 
     if isinstance(tokenizer, SentencePieceTokenizer):
         backend = _spm_to_tokenizers(tokenizer.path)
         shutil.copyfile(tokenizer.path, os.path.join(out_dir, "tokenizer.model"))
         unk = tokenizer._sp.unk_id()
+    elif isinstance(tokenizer, GPT2BPETokenizer):
+        backend, unk = tokenizer.backend_tokenizer(), None  # GPT-2's byte-level BPE as tokenizer.json
     else:
         path = tokenizer.path
         backend = Tokenizer.from_file(os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path)
@@ -544,7 +554,8 @@ def export_checkpoint(load_dir: str, output: str, iteration: Optional[int] = Non
     if tokenizer_model is None:
         tokenizer_model, flag = training.get("tokenizer_model"), f"the checkpoint's tokenizer (pass --tokenizer-model)"
         tokenizer_type = tokenizer_type or training.get("tokenizer_type")
-    tokenizer = load_tokenizer(tokenizer_type, tokenizer_model, cfg.vocab_size, flag)
+    tokenizer = load_tokenizer(tokenizer_type, tokenizer_model, cfg.vocab_size, flag,
+                               training.get("vocab_file"), training.get("merge_file"))
     full = read_checkpoint(info)
     return save_hf_model(full, cfg, output, tokenizer, DTYPES[dtype] if dtype else None, materialize, max_shard_size,
                          provenance=run_provenance(info))
