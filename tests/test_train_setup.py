@@ -296,6 +296,11 @@ def test_vocab_size_follows_the_tokenizer_unless_pinned(tmp_path):
     assert derive_vocab_size(args, 4000) == 4096
     config = build_model_config(args)
     assert (config.vocab_size, config.padded_vocab_size) == (4000, 4096)  # multiple of 128 x 2
+    # Resuming: the checkpoint's vocabulary stays when the tokenizer fits (a run saved while
+    # lev-125m's 50304 pinned it); a larger tokenizer wins (the resume check then refuses the change).
+    args = args_for()
+    assert derive_vocab_size(args, 50277, checkpoint_vocab_size=50304) == 50304 and args.model["vocab_size"] == 50304
+    assert derive_vocab_size(args, 4000, checkpoint_vocab_size=1000) == 4096 and args.model["vocab_size"] == 4000
     unpinned = tmp_path / "unpinned.yaml"
     unpinned.write_text("base: tiny-lev\nmodel:\n  vocab_size: null\n")
     args = validate_args(parse_args(["--config", str(unpinned), *DATA]), 1)

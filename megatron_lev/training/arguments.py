@@ -486,18 +486,21 @@ def tokenizer_source(args: argparse.Namespace) -> str:
     return f"--tokenizer-model {args.tokenizer_model}"
 
 
-def derive_vocab_size(args: argparse.Namespace, tokenizer_vocab_size: int) -> int:
+def derive_vocab_size(args: argparse.Namespace, tokenizer_vocab_size: int,
+                      checkpoint_vocab_size: int | None = None) -> int:
     """As Megatron-LM, the vocabulary comes from the tokenizer: model.vocab_size becomes the
     tokenizer's size, and the model pads it to a multiple of --make-vocab-size-divisible-by x
     TP (`padded_vocab_size`). A packaged config's vocab_size is only a default (for parameter
     counts without a tokenizer); a vocab_size the user's own YAML sets is kept (say, GPT-NeoX's
-    50,304 rows for its 50,277 tokens) but refused when smaller than the tokenizer.
+    50,304 rows for its 50,277 tokens) but refused when smaller than the tokenizer. A resumed
+    run keeps the --load checkpoint's vocab_size when the tokenizer fits in it.
     Returns the padded size."""
     from megatron_lev.models.config import pad_vocab_size  # torch: only when a run starts
 
     source = args.vocab_size_source
     if source is None:
-        args.model["vocab_size"] = tokenizer_vocab_size
+        fits = checkpoint_vocab_size is not None and checkpoint_vocab_size >= tokenizer_vocab_size
+        args.model["vocab_size"] = checkpoint_vocab_size if fits else tokenizer_vocab_size
     elif args.model["vocab_size"] < tokenizer_vocab_size:
         raise ConfigError(f"{source}: model.vocab_size {args.model['vocab_size']} is smaller than the "
                           f"{tokenizer_vocab_size} tokens of {tokenizer_source(args)}: remove vocab_size (the "

@@ -60,7 +60,11 @@ def validate_run(argv=None, world_size: int = 1, rank: int = 0) -> Run:
     plan = plan_datasets(**dataset_arguments(args))
     prefixes = data_prefixes(args, plan)
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
-    padded = derive_vocab_size(args, tokenizer.vocab_size)
+    # A resumed run keeps its checkpoint's vocabulary (Megatron: "if not already set from a
+    # checkpoint"), so runs saved when a packaged vocab_size still pinned it resume unchanged.
+    resume_tag = select_checkpoint(args.load, args.ckpt_step) if args.load else None
+    saved_model = (read_checkpoint_config(args.load, resume_tag).get("model") or {}) if resume_tag else {}
+    padded = derive_vocab_size(args, tokenizer.vocab_size, saved_model.get("vocab_size"))
     if rank == 0:
         print(padded_vocab_line(args.model["vocab_size"], padded), flush=True)
     model_config = build_model_config(args)
@@ -74,7 +78,7 @@ def validate_run(argv=None, world_size: int = 1, rank: int = 0) -> Run:
     config["tokenizer"] = tokenizer.describe()
     run = Run(args=args, ds_config=ds_config, tokenizer=tokenizer, model_config=model_config, config=config)
     if args.load:
-        run.resume_tag = select_checkpoint(args.load, args.ckpt_step)
+        run.resume_tag = resume_tag
         if run.resume_tag is not None:
             run.layout_changes = check_resume(args, run.resume_tag, config, rank)
     return run
