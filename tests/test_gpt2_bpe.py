@@ -81,7 +81,7 @@ def test_merges_are_read_as_megatron_reads_them(tmp_path, recorded):
 
 
 def test_bad_flags_and_files(tmp_path):
-    with pytest.raises(ValueError, match=r"^--tokenizer-type GPT2BPETokenizer needs --merge-file"):
+    with pytest.raises(ValueError, match=r"^--tokenizer-type GPT2BPETokenizer needs --merge-file \(GPT-2's merges.txt\)$"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=VOCAB)
     missing = str(tmp_path / "nope.txt")
     with pytest.raises(FileNotFoundError, match=f"^--merge-file {missing}: no such file$"):
@@ -223,3 +223,21 @@ def test_evaluation_takes_the_checkpoints_gpt2_files(tmp_path):
     settings = data_settings(args, [model])
     assert (settings["tokenizer_type"], settings["tokenizer_model"], settings["vocab_file"]) == (
         "SentencePieceTokenizer", "/other/tok.model", None)
+
+
+def test_preprocess_refuses_mixed_tokenizer_flags(tmp_path, capsys):
+    from megatron_lev.data.preprocess import main as preprocess_main
+
+    common = ["--input", os.path.join(DATA, "corpus.jsonl"), "--output-prefix", str(tmp_path / "p"), "--workers", "1"]
+    for flags, message in (
+            (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", VOCAB, "--merge-file", MERGES,
+              "--tokenizer-model", VOCAB],
+             "--tokenizer-type GPT2BPETokenizer takes --vocab-file and --merge-file, not --tokenizer-model"),
+            (["--tokenizer-type", "GPT2BPETokenizer", "--merge-file", MERGES],
+             "--tokenizer-type GPT2BPETokenizer needs --vocab-file (GPT-2's vocab.json)"),
+            (["--tokenizer-type", "SentencePieceTokenizer"], "--tokenizer-type SentencePieceTokenizer needs "
+                                                             "--tokenizer-model")):
+        with pytest.raises(SystemExit):
+            preprocess_main(common + flags)
+        assert capsys.readouterr().err == f"error: {message}\n"
+    assert not os.listdir(tmp_path)

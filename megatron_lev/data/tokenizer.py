@@ -387,10 +387,9 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, voc
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(f"--tokenizer-type {tokenizer_type}: unknown (choose from {', '.join(TOKENIZER_TYPES)})")
     if tokenizer_type == "GPT2BPETokenizer":
-        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+        for flag, path, name in (("--vocab-file", vocab_file, "vocab.json"), ("--merge-file", merge_file, "merges.txt")):
             if not path:
-                raise ValueError(f"--tokenizer-type GPT2BPETokenizer needs {flag} (and --vocab-file/--merge-file "
-                                 f"both: GPT-2's vocab.json and merges.txt)")
+                raise ValueError(f"--tokenizer-type GPT2BPETokenizer needs {flag} (GPT-2's {name})")
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{flag} {path}: no such file")
         return GPT2BPETokenizer(vocab_file, merge_file)
