@@ -52,6 +52,7 @@ setup(
         "megatron-lev-preprocess=megatron_lev.cli:preprocess",
         "megatron-lev-convert-to-hf=megatron_lev.cli:convert_to_hf",
         "megatron-lev-convert-from-hf=megatron_lev.cli:convert_from_hf",
+        "megatron-lev-convert-from-mcore=megatron_lev.cli:convert_from_mcore",
         "megatron-lev-evaluate=megatron_lev.cli:evaluate",
     ]},
 )

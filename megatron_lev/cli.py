@@ -4,6 +4,7 @@
     megatron-lev-preprocess      python tools/preprocess_data.py
     megatron-lev-convert-to-hf   python tools/convert_to_hf.py
     megatron-lev-convert-from-hf python tools/convert_from_hf.py
+    megatron-lev-convert-from-mcore python tools/convert_from_mcore.py (Megatron-LM checkpoints)
     megatron-lev-evaluate        python -m megatron_lev.evaluate
 
 Each returns an exit code (some of the wrapped mains return their results, which a
@@ -43,6 +44,12 @@ def convert_from_hf() -> int:
     return convert_from_hf_main()
 
 
+def convert_from_mcore() -> int:
+    from megatron_lev.hf.cli import convert_from_mcore_main
+
+    return convert_from_mcore_main()
+
+
 def evaluate() -> int:
     from megatron_lev.evaluate import main
 
@@ -56,5 +63,6 @@ CONSOLE_SCRIPTS = {
     "megatron-lev-preprocess": "preprocess",
     "megatron-lev-convert-to-hf": "convert_to_hf",
     "megatron-lev-convert-from-hf": "convert_from_hf",
+    "megatron-lev-convert-from-mcore": "convert_from_mcore",
     "megatron-lev-evaluate": "evaluate",
 }

@@ -1,10 +1,12 @@
-"""Command lines of tools/convert_to_hf.py and tools/convert_from_hf.py.
+"""Command lines of tools/convert_to_hf.py, tools/convert_from_hf.py and tools/convert_from_mcore.py.
 
     python tools/convert_to_hf.py --load runs/lev-1.2b --output hf/lev-1.2b [--iteration N]
         [--dtype bf16|fp16|fp32] [--tokenizer-model tok.model] [--materialize-embeddings]
         [--max-shard-size 5GB]
     python tools/convert_from_hf.py --load hf/lev-1.2b --save runs/lev-1.2b-ft
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 [--config lev-1.2b] [--bf16]
+    python tools/convert_from_mcore.py --load megatron-lm-save-dir --output hf/lev
+        --tokenizer-model tok.model [--config megatron_lev_model.yaml] [--iteration N] [--dtype ...]
 
 Errors (a missing shard, an unknown layout, a tokenizer that disagrees with the model, ...)
 are one line on stderr and exit code 2.
@@ -51,6 +53,27 @@ def from_hf_parser() -> argparse.ArgumentParser:
     return p
 
 
+def from_mcore_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="convert_from_mcore.py",
+        description="Convert a Megatron-LM checkpoint of a GPTModel with the LEV embedding (torch_dist at any "
+                    "TP/PP, or legacy torch at any TP) to a Hugging Face folder (docs/megatron-lm.md).")
+    p.add_argument("--load", required=True, help="Megatron-LM's --save folder, or one of its iter_NNNNNNN folders")
+    p.add_argument("--iteration", type=int, help="checkpoint to convert (default: latest_checkpointed_iteration.txt)")
+    p.add_argument("--config", help="YAML (or packaged config name) whose model: section describes the model "
+                   "(default: LOAD/megatron_lev_model.yaml, written by megatron_lev's model provider)")
+    p.add_argument("--output", required=True, help="Hugging Face folder to create (must not exist, or be empty)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="weights' dtype (default: the checkpoint's)")
+    p.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                                                 "HuggingFaceTokenizer"),
+                   help="default: guessed from --tokenizer-model")
+    p.add_argument("--tokenizer-model", required=True, help="the tokenizer the model was trained with")
+    p.add_argument("--materialize-embeddings", action="store_true",
+                   help="write the generated V x D table, loadable as a standard LlamaForCausalLM")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    return p
+
+
 def _fail(tool: str, exc: Exception) -> int:
     print(f"{tool}: error: {exc}", file=sys.stderr)
     return 2
@@ -80,5 +103,28 @@ def convert_from_hf_main(argv=None) -> int:
                               args.pipeline_model_parallel_size, config=args.config, bf16=args.bf16, argv=argv)
     except (ValueError, FileNotFoundError) as exc:
         return _fail("convert_from_hf", exc)
+    print(f"wrote {out}")
+    return 0
+
+
+def convert_from_mcore_main(argv=None) -> int:
+    args = from_mcore_parser().parse_args(argv)
+    from megatron_lev.checkpointing.mcore import MODEL_SECTION_FILE, read_mcore_checkpoint
+    from megatron_lev.configs import load_config
+    from megatron_lev.hf.export import DTYPES, Provenance, load_tokenizer, save_hf_model
+    from megatron_lev.models.config import model_config_from_dict
+
+    try:
+        config_path = args.config or os.path.join(args.load, MODEL_SECTION_FILE)
+        cfg = model_config_from_dict(load_config(config_path)["model"])
+        full, source = read_mcore_checkpoint(args.load, cfg, args.iteration)
+        tokenizer = load_tokenizer(args.tokenizer_type, args.tokenizer_model, cfg.vocab_size)
+        iteration = os.path.basename(source).removeprefix("iter_")
+        out = save_hf_model(full, cfg, args.output, tokenizer, DTYPES[args.dtype] if args.dtype else None,
+                            args.materialize_embeddings, args.max_shard_size,
+                            provenance=Provenance(iteration=int(iteration) if iteration.isdigit() else None,
+                                                  source=source))
+    except (ValueError, FileNotFoundError) as exc:
+        return _fail("convert_from_mcore", exc)
     print(f"wrote {out}")
     return 0

@@ -1,0 +1,119 @@
+"""Megatron-LM's argument namespace <-> LEV: the --lev-* flags and what they build.
+
+`add_lev_args(parser)` is the `extra_args_provider` of Megatron-LM's `pretrain()`: one
+`--lev-<field>` flag per LEVConfig field (lev/generator.py), with that field's default, except
+`vocab_size` (the tokenizer's, or --vocab-size) and `hidden_size` (--hidden-size).
+
+`transformer_config_from_args(args)` is Megatron-LM's `core_transformer_config_from_args` when
+megatron.training imports (a Megatron-LM checkout); without it (megatron-core alone, the tests)
+it copies the same-named fields of a dense GPT and the few renamed ones (--swiglu,
+--group-query-attention, ...), which is enough to build the model, not to train it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import typing
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_lev.lev.generator import DIGIT_ORDERS, LEVConfig
+from megatron_lev.models.config import MODEL_FIELDS
+
+MODEL_OWNED = ("vocab_size", "hidden_size")  # LEV fields set by the model's own flags
+
+
+def lev_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(LEVConfig) if f.name not in MODEL_OWNED]
+
+
+def flag_name(field_name: str) -> str:
+    return "--lev-" + field_name.replace("_", "-")
+
+
+def add_lev_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's extra_args_provider: the --lev-* flags (dest lev_<field>)."""
+    group = parser.add_argument_group(title="LEV embedding (megatron_lev)")
+    hints = typing.get_type_hints(LEVConfig)
+    for field in lev_fields():
+        flag, dest, default = flag_name(field.name), "lev_" + field.name, field.default
+        help_text = f"LEVConfig.{field.name} (default {default})"
+        if hints[field.name] is bool:
+            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif field.name == "digit_order":
+            group.add_argument(flag, dest=dest, choices=DIGIT_ORDERS, default=default, help=help_text)
+        else:
+            kind = int if hints[field.name] in (int, typing.Optional[int]) else float
+            group.add_argument(flag, dest=dest, type=kind, default=default, help=help_text)
+    return parser
+
+
+def lev_config_from_args(args, vocab_size: int) -> LEVConfig:
+    """The generator's config: the --lev-* flags, `vocab_size` (the tokenizer's, unpadded) and --hidden-size."""
+    values = {}
+    for field in lev_fields():
+        dest = "lev_" + field.name
+        if not hasattr(args, dest):
+            raise ValueError(f"{flag_name(field.name)}: missing from Megatron-LM's arguments (pass "
+                             "extra_args_provider=megatron_lev.megatron_lm.add_lev_args to pretrain())")
+        values[field.name] = getattr(args, dest)
+    try:
+        return LEVConfig(vocab_size=vocab_size, hidden_size=args.hidden_size, **values)
+    except ValueError as exc:
+        raise ValueError(f"--lev-*: {exc}") from None
+
+
+def model_section_from_args(args, vocab_size: int) -> dict:
+    """This project's YAML `model:` section for the model Megatron-LM trains (what the checkpoint
+    converter needs to read its checkpoints)."""
+    lev = {f.name: getattr(args, "lev_" + f.name) for f in lev_fields()}
+    section = {
+        "embedding": "lev", "vocab_size": vocab_size,
+        "make_vocab_size_divisible_by": args.make_vocab_size_divisible_by, "num_layers": args.num_layers,
+        "hidden_size": args.hidden_size, "ffn_hidden_size": args.ffn_hidden_size,
+        "num_attention_heads": args.num_attention_heads,
+        "num_query_groups": args.num_query_groups if args.group_query_attention else None,
+        "kv_channels": args.kv_channels, "seq_length": args.seq_length, "rotary_base": float(args.rotary_base),
+        "layernorm_epsilon": args.layernorm_epsilon, "init_method_std": args.init_method_std,
+        "hidden_dropout": args.hidden_dropout, "attention_dropout": args.attention_dropout,
+        "init_seed": args.seed, "lev": lev,
+    }
+    assert set(section) == set(MODEL_FIELDS), sorted(set(section) ^ set(MODEL_FIELDS))
+    return section
+
+
+def transformer_config_from_args(args) -> TransformerConfig:
+    """Megatron-LM's own translation when it imports, else the dense-GPT subset (see the module docstring)."""
+    try:
+        from megatron.training.arguments import core_transformer_config_from_args
+    except ImportError:
+        return _dense_transformer_config(args)
+    return core_transformer_config_from_args(args)
+
+
+def _dense_transformer_config(args) -> TransformerConfig:
+    values = {}
+    for field in dataclasses.fields(TransformerConfig):
+        if not field.init or not hasattr(args, field.name):
+            continue
+        value = getattr(args, field.name)
+        default = field.default if field.default is not dataclasses.MISSING else None
+        if isinstance(default, enum.Enum) or callable(default) or not _plain(value):
+            continue  # enums, functions: TransformerConfig's defaults (a real run uses Megatron-LM's translation)
+        values[field.name] = value
+    values.update(
+        pipeline_dtype=args.params_dtype,
+        persist_layer_norm=not args.no_persist_layer_norm, rotary_interleaved=args.rotary_interleaved,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None)
+    if args.swiglu:
+        values.update(activation_func=F.silu, gated_linear_unit=True, bias_activation_fusion=args.bias_swiglu_fusion)
+    return TransformerConfig(**values)
+
+
+def _plain(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str, torch.dtype))

@@ -1,0 +1,259 @@
+"""megatron-core's GPTModel with the LEV embedding (models/gpt_lev.py) against this project's
+decoder with the same weights: logits, loss and gradients at TP=1 and TP=2 (2 gloo ranks), the
+sequence-parallel embedding, a torch_dist checkpoint saved at TP=2 and loaded at TP=1, the
+conversion of its checkpoints (torch_dist and legacy torch) to this project's layout and to a
+Hugging Face export, and the padding-logit loss gap users are told about (docs/megatron-lm.md).
+
+The CPU stand-ins for GPTModel's CUDA uses are in tests/mcore_cpu.py (test-only patches).
+"""
+import argparse
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_lev.configs import load_config
+from megatron_lev.models.config import model_config_from_dict
+from tests.distributed import run_distributed
+from tests.mcore_cpu import causal_mask, copy_weights_to_gpt, patch_mcore_for_cpu
+
+VOCAB, BATCH, SEQ, ITERATION = 1024, 2, 16, 7  # 1024: no vocabulary padding at TP 1 or 2
+SECTION = {**load_config("tiny-lev")["model"], "vocab_size": VOCAB}
+# fp32 bounds (relative to the largest magnitude of each tensor).
+LOGITS_RTOL, LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-5, 1e-4
+
+
+def _data(vocab=VOCAB):
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=g)
+    mask = (torch.rand(BATCH, SEQ, generator=g) > 0.25).float()
+    return tokens[:, :-1], tokens[:, 1:], mask, torch.arange(SEQ).expand(BATCH, SEQ)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
+
+
+def _compare(ours, gpt, vocab=VOCAB) -> dict:
+    """Forward and backward both models on one batch; max relative differences."""
+    from megatron_lev.models.mcore_args import to_mcore_name
+
+    ids, labels, mask, pos = _data(vocab)
+    logits_ours, logits_gpt = ours(ids, pos).detach(), gpt(ids, pos, causal_mask(SEQ)).detach()
+    loss_ours = ours(ids, pos, labels=labels, loss_mask=mask)
+    per_token = gpt(ids, pos, causal_mask(SEQ), labels=labels)
+    loss_gpt = (per_token * mask).sum() / mask.sum()
+    loss_ours.backward()
+    loss_gpt.backward()
+    gpt_params = dict(gpt.named_parameters())
+    grads = {name: _rel(p.grad, gpt_params[to_mcore_name(name)].grad) for name, p in ours.named_parameters()}
+    first_pad = ours.output_layer.vocab_size - ours.output_layer.vocab_start  # compare real columns only
+    real = slice(0, max(0, min(first_pad, logits_ours.shape[-1])))
+    return {"logits": _rel(logits_ours[..., real], logits_gpt[..., real]), "loss_ours": loss_ours.item(),
+            "loss_gpt": loss_gpt.item(), "loss": abs(loss_ours.item() - loss_gpt.item()) / abs(loss_ours.item()),
+            "grad": max(grads.values()), "grads": grads, "logits_gpt": logits_gpt}
+
+
+def _models(tp: int, section=SECTION, **gpt_overrides):
+    from megatron_lev.models.decoder import LeviathanModel
+    from megatron_lev.models.gpt_lev import build_lev_gpt_model_from_config
+
+    config = model_config_from_dict(section, tensor_model_parallel_size=tp)
+    ours = LeviathanModel(config)
+    gpt = build_lev_gpt_model_from_config(config, **gpt_overrides)
+    copy_weights_to_gpt(ours, gpt)
+    return config, ours, gpt
+
+
+def _save_megatron_lm_checkpoints(gpt, root: str, rank: int) -> None:
+    """The model as Megatron-LM saves it: torch_dist (megatron-core dist_checkpointing of
+    {"model": sharded_state_dict}) and legacy torch (mp_rank_TT/model_optim_rng.pt)."""
+    from megatron.core import dist_checkpointing
+
+    tag = f"iter_{ITERATION:07d}"
+    for fmt in ("torch_dist", "torch"):
+        os.makedirs(os.path.join(root, fmt, tag), exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save({"model": gpt.sharded_state_dict(), "iteration": ITERATION},
+                            os.path.join(root, "torch_dist", tag))
+    legacy = os.path.join(root, "torch", tag, f"mp_rank_{rank:02d}")
+    os.makedirs(legacy, exist_ok=True)
+    torch.save({"args": argparse.Namespace(tensor_model_parallel_size=2), "iteration": ITERATION,
+                "checkpoint_version": 3.0, "model": gpt.state_dict_for_save_checkpoint()},
+               os.path.join(legacy, "model_optim_rng.pt"))
+    if rank == 0:
+        for fmt in ("torch_dist", "torch"):
+            with open(os.path.join(root, fmt, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(ITERATION))
+    dist.barrier()
+
+
+def _tp2_rank(rank, world_size, root):
+    from megatron_lev.distributed.state import initialize_model_parallel
+    from megatron_lev.models.decoder import gather_logits
+    from megatron_lev.models.gpt_lev import LEVLanguageModelEmbedding
+    from megatron_lev.models.mcore_args import transformer_config_from_model_config
+
+    patch_mcore_for_cpu()
+    initialize_model_parallel(tensor_model_parallel_size=2)
+    config, ours, gpt = _models(2)
+    out = _compare(ours, gpt)
+    out["logits_full"] = gather_logits(out.pop("logits_gpt"), VOCAB)
+
+    # Sequence parallelism: the embedding's [s/2, b, h] is this rank's half of the non-SP output,
+    # and the same upstream gradient gives the same parameter gradients.
+    sp = LEVLanguageModelEmbedding(transformer_config_from_model_config(config, sequence_parallel=True),
+                                   config.lev_config())
+    sp.load_state_dict(gpt.embedding.state_dict())
+    ids, _, _, pos = _data()
+    upstream = torch.randn(SEQ, BATCH, config.hidden_size, generator=torch.Generator().manual_seed(5))
+    gpt.zero_grad()
+    full = gpt.embedding(ids, pos)
+    (full * upstream).sum().backward()
+    half = slice(rank * SEQ // 2, (rank + 1) * SEQ // 2)
+    split = sp(ids, pos)
+    (split * upstream[half]).sum().backward()
+    sp_grads = dict(sp.named_parameters())
+    out["sp_shape"] = tuple(split.shape)
+    out["sp_output_diff"] = (split - full[half]).abs().max().item()
+    out["sp_grad_diff"] = max((p.grad - sp_grads[n].grad).abs().max().item()
+                              for n, p in gpt.embedding.named_parameters())
+    _save_megatron_lm_checkpoints(gpt, root, rank)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("megatron_lm_ckpt"))
+    results = run_distributed(_tp2_rank, world_size=2, args=(root,))
+    return {"root": root, "ranks": results}
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    """One in-process rank (TP = 1) with the CPU stand-ins; the models of the TP=1 comparison."""
+    from megatron_lev.distributed.launch import init_distributed
+    from megatron_lev.distributed.state import destroy_parallel, initialize_model_parallel
+
+    saved = {k: os.environ.pop(k, None) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        patch_mcore_for_cpu(monkeypatch)
+        init_distributed(backend="gloo")
+        initialize_model_parallel(1, 1)
+        config, ours, gpt = _models(1)
+        yield {"config": config, "ours": ours, "gpt": gpt, "diffs": _compare(ours, gpt)}
+        destroy_parallel()
+    for key, value in saved.items():
+        if value is not None:
+            os.environ[key] = value
+
+
+def test_gpt_model_with_lev_equals_ours_tp1(tp1):
+    d = tp1["diffs"]
+    print(f"TP=1: logits {d['logits']:.2e}, loss {d['loss']:.2e}, grads {d['grad']:.2e} (max relative)")
+    assert d["logits"] < LOGITS_RTOL and d["loss"] < LOSS_RTOL and d["grad"] < GRAD_RTOL, d
+    assert len(d["grads"]) == 6 + 6 * SECTION["num_layers"] + 2  # every parameter compared
+    assert 6.0 < d["loss_ours"] < 8.0  # ~ln(1024): a real loss, not a degenerate one
+
+
+def test_gpt_model_with_lev_equals_ours_tp2(tp2, tp1):
+    for rank, d in enumerate(tp2["ranks"]):
+        print(f"TP=2 rank {rank}: logits {d['logits']:.2e}, loss {d['loss']:.2e}, grads {d['grad']:.2e}")
+        assert d["logits"] < LOGITS_RTOL and d["loss"] < LOSS_RTOL and d["grad"] < GRAD_RTOL, (rank, d)
+        # TP=2 is the TP=1 model: the gathered logits agree across the layouts.
+        assert _rel(tp1["diffs"]["logits_gpt"], d["logits_full"]) < LOGITS_RTOL
+
+
+def test_sequence_parallel_embedding_is_the_sequence_split(tp2):
+    for rank, d in enumerate(tp2["ranks"]):
+        assert d["sp_shape"] == (SEQ // 2, BATCH, SECTION["hidden_size"])
+        assert d["sp_output_diff"] == 0.0 and d["sp_grad_diff"] < 1e-6, (rank, d)
+
+
+def test_torch_dist_saved_at_tp2_loads_at_tp1(tp2, tp1):
+    from megatron.core import dist_checkpointing
+
+    from megatron_lev.models.gpt_lev import build_lev_gpt_model_from_config
+
+    fresh = build_lev_gpt_model_from_config(model_config_from_dict({**SECTION, "init_seed": 99}))
+    ours = dict(tp1["gpt"].named_parameters())
+    assert not torch.equal(fresh.output_layer.weight, ours["output_layer.weight"])  # a load has to change it
+    path = os.path.join(tp2["root"], "torch_dist", f"iter_{ITERATION:07d}")
+    loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict()}, path)
+    fresh.load_state_dict(loaded["model"])
+    for name, param in fresh.named_parameters():
+        assert torch.equal(param, ours[name]), name
+    ids, _, _, pos = _data()
+    with torch.no_grad():
+        logits = fresh(ids, pos, causal_mask(SEQ))
+    diff = _rel(tp2["ranks"][0]["logits_full"], logits)
+    print(f"torch_dist TP=2 -> TP=1: logits max relative diff {diff:.2e}")
+    assert diff < LOGITS_RTOL
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_megatron_lm_checkpoint_reads_as_our_full_state_dict(fmt, tp2, tp1):
+    from megatron_lev.checkpointing.mcore import read_mcore_checkpoint
+
+    full, source = read_mcore_checkpoint(os.path.join(tp2["root"], fmt), tp1["config"])
+    assert source.endswith(f"iter_{ITERATION:07d}")
+    ours = {n: p.detach() for n, p in tp1["ours"].named_parameters()}
+    assert list(full) == list(ours)
+    for name, tensor in full.items():
+        assert torch.equal(tensor, ours[name]), name
+
+
+def _word_level_tokenizer(path: str, size: int) -> str:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(path)
+    return path
+
+
+def test_convert_from_mcore_exports_the_source_models_logits(tp2, tp1, tmp_path, capsys):
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from megatron_lev.hf.cli import convert_from_mcore_main
+
+    config_path = tmp_path / "model.yaml"
+    config_path.write_text(yaml.safe_dump({"model": SECTION}))
+    tokenizer = _word_level_tokenizer(str(tmp_path / "tokenizer.json"), VOCAB)
+    out = str(tmp_path / "hf")
+    assert convert_from_mcore_main(["--load", os.path.join(tp2["root"], "torch_dist"), "--config", str(config_path),
+                                    "--output", out, "--tokenizer-model", tokenizer]) == 0
+    assert json.load(open(os.path.join(out, "config.json")))["vocab_size"] == VOCAB
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, trust_remote_code=True).eval()
+    ids, _, _, _ = _data()
+    with torch.no_grad():
+        logits = model(ids).logits
+    diff = _rel(tp1["diffs"]["logits_gpt"], logits)
+    print(f"HF export vs the GPTModel: logits max relative diff {diff:.2e}")
+    assert diff < LOGITS_RTOL
+    # A wrong config is one line naming the tensor.
+    capsys.readouterr()  # (transformers' progress bars)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"model": {**SECTION, "ffn_hidden_size": 256}}))
+    assert convert_from_mcore_main(["--load", os.path.join(tp2["root"], "torch"), "--config", str(bad),
+                                    "--output", str(tmp_path / "hf2"), "--tokenizer-model", tokenizer]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("convert_from_mcore: error: ") and "layers.0.mlp.gate_up.weight has shape (384, 64)" in err
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("vocab, low, high", [(1000, 0.020, 0.026), (8000, 0.006, 0.009)])
+def test_padding_logits_raise_gpt_models_loss(vocab, low, high, tp1):
+    """GPTModel keeps the padding columns (logit 0) in its softmax; ours masks them. The gap is
+    about log(padded / vocab) at initialisation (log(1024/1000) = 0.0237, log(8064/8000) = 0.0080)."""
+    config, ours, gpt = _models(1, {**SECTION, "vocab_size": vocab})
+    assert config.padded_vocab_size == {1000: 1024, 8000: 8064}[vocab]
+    d = _compare(ours, gpt, vocab)
+    gap = d["loss_gpt"] - d["loss_ours"]
+    print(f"V={vocab} padded to {config.padded_vocab_size}: GPTModel's loss is higher by {gap:.4f}; "
+          f"real-column logits max relative diff {d['logits']:.2e}")
+    assert low < gap < high and d["logits"] < LOGITS_RTOL
