@@ -257,3 +257,65 @@ def test_padding_logits_raise_gpt_models_loss(vocab, low, high, tp1):
     print(f"V={vocab} padded to {config.padded_vocab_size}: GPTModel's loss is higher by {gap:.4f}; "
           f"real-column logits max relative diff {d['logits']:.2e}")
     assert low < gap < high and d["logits"] < LOGITS_RTOL
+
+
+# --------------------------------------------------------------------------- Megatron-LM's provider
+
+RECORDED_ARGS = os.path.join(os.path.dirname(__file__), "data", "megatron_lm", "pretrain_gpt_args.json")
+
+
+def _recorded_namespace():
+    """Megatron-LM's pretrain_gpt namespace, recorded by tools/megatron_lm/record_args.py."""
+    with open(RECORDED_ARGS, encoding="utf-8") as f:
+        record = json.load(f)
+    restore = lambda v: getattr(torch, v["__dtype__"]) if isinstance(v, dict) and "__dtype__" in v else v  # noqa: E731
+    return argparse.Namespace(**{k: restore(v) for k, v in record["args"].items()}), record
+
+
+def test_add_lev_args_has_one_flag_per_lev_field():
+    import dataclasses
+
+    from megatron_lev.lev.generator import LEVConfig
+    from megatron_lev.megatron_lm.arguments import add_lev_args
+
+    parser = add_lev_args(argparse.ArgumentParser())
+    flags = {opt for action in parser._actions for opt in action.option_strings if opt.startswith("--lev-")}
+    fields = {f.name for f in dataclasses.fields(LEVConfig)} - {"vocab_size", "hidden_size"}
+    assert {f.removeprefix("--lev-").replace("-", "_") for f in flags if not f.startswith("--no-")} == fields
+    args = parser.parse_args(["--lev-num-heads", "2", "--no-lev-unique-ids", "--lev-digit-base", "20",
+                              "--lev-init-std", "0.01", "--lev-digit-order", "lsb_first"])
+    assert (args.lev_num_heads, args.lev_unique_ids, args.lev_digit_base, args.lev_init_std,
+            args.lev_digit_order, args.lev_num_modes) == (2, False, 20, 0.01, "lsb_first", 64)
+
+
+def test_provider_builds_from_megatron_lm_namespace(tp1, tmp_path):
+    import yaml
+
+    from megatron_lev.checkpointing.mcore import MODEL_SECTION_FILE
+    from megatron_lev.lev.generator import LEVConfig
+    from megatron_lev.megatron_lm.provider import model_provider
+    from megatron_lev.models.gpt_lev import LEVLanguageModelEmbedding
+
+    args, record = _recorded_namespace()
+    assert record["megatron_lm"].startswith("core_v0.16.1") and len(record["args"]) > 600
+    assert args.lev_num_heads == 4 and args.padded_vocab_size is None  # set by Megatron-LM's tokenizer later
+    args.save = str(tmp_path)
+    model = model_provider(True, True, args=args)
+    assert isinstance(model.embedding, LEVLanguageModelEmbedding) and not model.share_embeddings_and_output_weights
+    assert model.embedding.lev_config == LEVConfig(vocab_size=1024, hidden_size=64, num_heads=4, seed_dim=16,
+                                                   num_knots=8, num_modes=16)
+    cfg = model.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_query_groups, cfg.normalization,
+            cfg.gated_linear_unit, cfg.add_bias_linear, cfg.hidden_dropout) == (2, 64, 192, 2, "RMSNorm", True, False, 0.0)
+    assert model.output_layer.weight.shape == (1024, 64) and model.rotary_pos_emb.inv_freq.shape == (8,)
+    # --seed seeds LEV as init_seed does here: the generator is this project's, weight for weight.
+    ours = dict(tp1["ours"].named_parameters())
+    for name, param in model.embedding.named_parameters():
+        assert torch.equal(param, ours["embedding." + name]), name
+    # The model section written into --save describes the same model (the converter's --config).
+    section = yaml.safe_load(open(os.path.join(args.save, MODEL_SECTION_FILE)))["model"]
+    assert model_config_from_dict(section).to_dict() == tp1["config"].to_dict()
+
+    args.untie_embeddings_and_output_weights = False
+    with pytest.raises(ValueError, match="^--untie-embeddings-and-output-weights is required"):
+        model_provider(args=args)

@@ -25,6 +25,7 @@ import glob
 import os
 import pickle
 import re
+import warnings
 from typing import Optional
 
 import torch
@@ -126,7 +127,9 @@ def _read_torch_dist(iter_dir: str) -> dict[str, torch.Tensor]:
     if not stacked:
         raise CheckpointError(f"{iter_dir}: a torch_dist checkpoint without model tensors (embedding.*, decoder.*)")
     try:
-        dcp.load(stacked, storage_reader=reader, no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(stacked, storage_reader=reader, no_dist=True)
     except Exception as exc:
         raise CheckpointError(f"{iter_dir}: cannot be read ({type(exc).__name__}: "
                               f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})") from None

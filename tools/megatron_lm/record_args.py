@@ -31,7 +31,10 @@ FLAGS = [
     "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
     "--attention-dropout", "0", "--init-method-std", "0.02", "--seed", "1234",
     "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--make-vocab-size-divisible-by", "128",
-    "--transformer-impl", "local", "--use-cpu-initialization", "--ckpt-format", "torch_dist",
+    # local layers, no RoPE fusion, no persistent LayerNorm: the recording and its test run without
+    # TransformerEngine or apex (torch norms, no fused weight-gradient accumulation).
+    "--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm",
+    "--no-gradient-accumulation-fusion", "--use-cpu-initialization", "--ckpt-format", "torch_dist",
     "--save", "/tmp/megatron_lev_record_args", "--save-interval", "10",
     "--lev-num-heads", "4", "--lev-seed-dim", "16", "--lev-num-knots", "8", "--lev-num-modes", "16",
 ]
