@@ -331,3 +331,36 @@ def test_provider_builds_from_megatron_lm_namespace(tp1, tmp_path):
     args.untie_embeddings_and_output_weights = False
     with pytest.raises(ValueError, match="^--untie-embeddings-and-output-weights is required"):
         model_provider(args=args)
+
+
+class _Hostile:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_hostile_megatron_lm_checkpoints_are_refused(tp1, tmp_path):
+    """A torch_dist `.metadata` or a legacy model_optim_rng.pt whose pickle would run code is
+    refused with one line naming the file, and the code does not run."""
+    import pickle
+
+    from megatron_lev.checkpointing.mcore import read_mcore_checkpoint
+    from megatron_lev.checkpointing.safe_load import UnsafeCheckpointError
+
+    marker = tmp_path / "pwned"
+    dcp_dir = tmp_path / "torch_dist" / "iter_0000001"
+    dcp_dir.mkdir(parents=True)
+    (dcp_dir / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    (dcp_dir / ".metadata").write_bytes(pickle.dumps(_Hostile(marker)))
+    legacy = tmp_path / "torch" / "iter_0000001" / "mp_rank_00"
+    legacy.mkdir(parents=True)
+    torch.save({"model": {}, "args": _Hostile(marker)}, legacy / "model_optim_rng.pt")
+    for folder, file in ((dcp_dir, dcp_dir / ".metadata"), (legacy.parent, legacy / "model_optim_rng.pt")):
+        with pytest.raises(UnsafeCheckpointError) as err:
+            read_mcore_checkpoint(str(folder), tp1["config"])
+        message = str(err.value)
+        assert message.startswith(f"{file}: refused: loading it would ") and "\n" not in message, message
+        assert "posix.system" in message or "os.system" in message
+    assert not marker.exists()
