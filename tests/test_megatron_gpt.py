@@ -364,3 +364,28 @@ def test_hostile_megatron_lm_checkpoints_are_refused(tp1, tmp_path):
         assert message.startswith(f"{file}: refused: loading it would ") and "\n" not in message, message
         assert "posix.system" in message or "os.system" in message
     assert not marker.exists()
+
+
+def test_layer_specs_and_transformer_engine_names(tp1):
+    """TransformerEngine's spec where it imports (a clear error where not); its fused-norm names
+    map to ours as the local spec's do."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from megatron_lev.models.gpt_lev import layer_spec_for
+    from megatron_lev.models.mcore_args import from_mcore_name, to_mcore_name
+
+    config = tp1["gpt"].config
+    if gpt_layer_specs.HAVE_TE:
+        assert layer_spec_for("transformer_engine", config) is not None
+    else:
+        with pytest.raises(ImportError, match="^layer spec 'transformer_engine': transformer_engine does not import"):
+            layer_spec_for("transformer_engine", config)
+    with pytest.raises(ValueError, match="^layer_spec 'fast': expected one of local, transformer_engine"):
+        layer_spec_for("fast", config)
+    for name, _ in tp1["ours"].named_parameters():
+        for te in (False, True):
+            assert from_mcore_name(to_mcore_name(name, transformer_engine=te)) == name
+    assert to_mcore_name("layers.1.mlp_norm.weight", transformer_engine=True) == "decoder.layers.1.mlp.linear_fc1.layer_norm_weight"
+    assert from_mcore_name("decoder.layers.0.self_attention.linear_qkv._extra_state") is None
+    with pytest.raises(KeyError, match="decoder.layers.0.mlp.router.weight: not a parameter of a GPTModel with the LEV"):
+        from_mcore_name("decoder.layers.0.mlp.router.weight")
