@@ -80,7 +80,13 @@ def _save_megatron_lm_checkpoints(gpt, root: str, rank: int) -> None:
                             os.path.join(root, "torch_dist", tag))
     legacy = os.path.join(root, "torch", tag, f"mp_rank_{rank:02d}")
     os.makedirs(legacy, exist_ok=True)
-    torch.save({"args": argparse.Namespace(tensor_model_parallel_size=2), "iteration": ITERATION,
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.enums import AttnBackend
+
+    # args as Megatron-LM saves them: its Namespace holds dtypes and megatron-core's enums.
+    args = argparse.Namespace(tensor_model_parallel_size=2, params_dtype=torch.float32,
+                              attention_backend=AttnBackend.auto, model_type=ModelType.encoder_or_decoder)
+    torch.save({"args": args, "iteration": ITERATION,
                 "checkpoint_version": 3.0, "model": gpt.state_dict_for_save_checkpoint()},
                os.path.join(legacy, "model_optim_rng.pt"))
     if rank == 0:

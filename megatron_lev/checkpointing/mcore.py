@@ -15,8 +15,8 @@ Layouts read (Megatron-LM's `--save` folder: `latest_checkpointed_iteration.txt`
 
 Safe loading: DCP's `.metadata` is a pickle; it is read by an unpickler that builds only the
 DCP metadata types (anything else is refused, nothing runs). Tensor data is read by torch with
-`weights_only=True`. A legacy file goes through safe_load.safe_torch_load, with argparse's
-Namespace (Megatron-LM's saved args) also allowed. Optimizer state and RNG entries are skipped.
+`weights_only=True`. A legacy file goes through safe_load.safe_torch_load, with what
+Megatron-LM's saved args hold also allowed (argparse's Namespace, megatron-core's enums). Optimizer state and RNG entries are skipped.
 """
 from __future__ import annotations
 
@@ -144,8 +144,23 @@ def _read_torch_dist(iter_dir: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def _megatron_args_types() -> list:
+    """What Megatron-LM's saved `args` hold beyond torch's own types: the Namespace and
+    megatron-core's enums (args.model_type, args.attention_backend, ...)."""
+    import enum
+
+    from megatron.core import enums
+    from megatron.core.transformer import enums as transformer_enums
+
+    found = [argparse.Namespace]
+    for module in (enums, transformer_enums):
+        found += [v for v in vars(module).values()
+                  if isinstance(v, type) and issubclass(v, enum.Enum) and v.__module__ == module.__name__]
+    return found
+
+
 def _safe_legacy_load(path: str) -> dict:
-    with torch.serialization.safe_globals([argparse.Namespace]):
+    with torch.serialization.safe_globals(_megatron_args_types()):
         return safe_torch_load(path)
 
 
