@@ -10,9 +10,9 @@
 (lev/parallel.py): heads split over TP, codebooks replicated, each distinct id of the micro-batch
 evaluated once. With sequence parallelism the distinct ids' rows are all-reduced over TP (as
 without it) and the [s, b, h] output is then split along the sequence
-(`scatter_to_sequence_parallel_region`: no communication forward, an all-gather backward). The
-all-reduce carries n_distinct x h values where a reduce-scatter of the output would carry
-s*b*h / tp per rank, and it runs on every backend (gloo included).
+(`scatter_to_sequence_parallel_region`: no communication forward, an all-gather backward). A ring
+all-reduce of the n distinct rows moves about 2*n*h values per rank where a reduce-scatter of the
+[s, b, h] output moves about s*b*h: fewer bytes whenever n < s*b/2.
 
 Like LanguageModelEmbedding it applies `config.hidden_dropout` after the embedding (megatron-core's
 default is 0.1) and casts to float32 under `fp32_residual_connection`. There are no position
