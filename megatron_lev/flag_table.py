@@ -74,7 +74,8 @@ def command_parsers() -> dict[str, list[argparse.ArgumentParser]]:
     from megatron_lev import demo, evaluate
     from megatron_lev.data import corpus
     from megatron_lev.evaluation import curves, downstream, seeds
-    from megatron_lev.hf.cli import from_hf_parser, to_hf_parser
+    from megatron_lev.hf.cli import from_hf_parser, from_mcore_parser, to_hf_parser
+    from megatron_lev.megatron_lm.arguments import add_lev_args
     from megatron_lev.models import param_count
     from megatron_lev.training import validation
 
@@ -89,10 +90,14 @@ def command_parsers() -> dict[str, list[argparse.ArgumentParser]]:
         "tools/convert_to_hf.py": [to_hf_parser()], "tools/convert_from_hf.py": [from_hf_parser()],
         "tools/param_count.py": [parser_of_main(param_count.main)],
         "megatron_lev.data.corpus": [parser_of_main(corpus.main)],
+        "tools/convert_from_mcore.py": [from_mcore_parser()],
+        # the --lev-* flags a Megatron-LM checkout's pretrain_lev_gpt.py adds to Megatron-LM's own
+        "tools/megatron_lm/pretrain_lev_gpt.py": [add_lev_args(argparse.ArgumentParser(add_help=False))],
     }
     commands["megatron-lev-evaluate"] = commands["megatron_lev.evaluate"]
     commands["megatron-lev-convert-to-hf"] = commands["tools/convert_to_hf.py"]
     commands["megatron-lev-convert-from-hf"] = commands["tools/convert_from_hf.py"]
+    commands["megatron-lev-convert-from-mcore"] = commands["tools/convert_from_mcore.py"]
     for module in (curves, downstream, seeds):
         commands[module.__name__] = [parser_of_main(module.main)]
     return commands

@@ -15,6 +15,7 @@ import functools
 import glob
 import importlib.util
 import itertools
+import json
 import os
 import re
 import shlex
@@ -33,6 +34,18 @@ PYTHONS = ("python", "python3")
 LAUNCHERS = ("sbatch", "srun", "env", "time", "flock", "nohup")
 # Flags of other programs that the docs quote (sbatch, torchrun, pip, pytest, ...).
 EXTERNAL_FLAGS = frozenset({"--index-url"})
+# Megatron-LM's own pretrain_gpt.py flags (docs/megatron-lm.md quotes them), from the namespace its
+# parser built at core_v0.16.1 (tests/data/megatron_lm/pretrain_gpt_args.json): --dest, --no-dest,
+# and the flags that parser accepted when it was recorded (some names differ from their dest).
+MEGATRON_LM_ARGS = os.path.join(REPO, "tests", "data", "megatron_lm", "pretrain_gpt_args.json")
+
+
+@functools.lru_cache(maxsize=None)
+def _megatron_lm_flags() -> frozenset:
+    with open(MEGATRON_LM_ARGS, encoding="utf-8") as f:
+        record = json.load(f)
+    named = {f"--{prefix}{d.replace('_', '-')}" for d in record["args"] for prefix in ("", "no-")}
+    return frozenset(named | {t for t in record["argv"] if t.startswith("--")})
 
 
 # --------------------------------------------------------------------------- markdown
@@ -224,6 +237,11 @@ def command_problems(tokens: list[str]) -> list[str]:
             return problems + _flag_problems(f"python -m {module}", _module_parsers(module), _flags(rest))
         if rest[0].endswith(".py"):
             script = os.path.normpath(rest[0])
+            copied = os.path.join("tools", "megatron_lm", os.path.basename(script))
+            if not os.path.isfile(os.path.join(REPO, script)) and os.path.isfile(os.path.join(REPO, copied)):
+                # a script of ours copied into a Megatron-LM checkout: Megatron-LM's flags and ours
+                flags = [f for f in _flags(rest[1:]) if f not in _megatron_lm_flags()]
+                return problems + _flag_problems(f"python {script}", _file_parsers(copied), flags)
             if not os.path.isfile(os.path.join(REPO, script)):
                 return problems + [f"python {script}: no such script"]
             return problems + _flag_problems(f"python {script}", _file_parsers(script), _flags(rest[1:]))
@@ -307,10 +325,12 @@ def prose_flag_problems(text: str) -> list[str]:
     for span in re.findall(r"`([^`\n]+)`", _prose(text)):
         if COMMAND_START.match(span):
             continue  # a command: its own parser checks it (command_lines)
-        for flag, slash in re.findall(r"(?<![\w-])(--[A-Za-z][\w-]*)(/?)", span):
-            if slash and flag not in _all_flags():
+        for flag, family in re.findall(r"(?<![\w-])(--[A-Za-z][\w-]*)(/|\*|)", span):
+            if family == "*" and any(f.startswith(flag) for f in _all_flags()):
+                continue  # a family such as `--lev-*`
+            if family == "/" and flag not in _all_flags():
                 continue  # an abbreviated family such as `--train/valid/test-data-path`
-            if flag not in _all_flags() and flag not in EXTERNAL_FLAGS:
+            if flag not in _all_flags() and flag not in EXTERNAL_FLAGS and flag not in _megatron_lm_flags():
                 problems.append(f"`{span}`: no command of the tree has {flag}")
     return problems
 
@@ -381,6 +401,7 @@ def test_the_checker_catches_what_does_not_exist():
         "torchrun --nproc_per_node 2 -m megatron_lev.train --finetune",
         "python tools/convert_to_hf.py --load a --output b --outptu c",
         "python tools/no_such_script.py",
+        "torchrun --nproc-per-node 2 pretrain_lev_gpt.py --swiglu --lev-num-head 4",
         'export DATA_PATH="$(python tools/make_blend.py --no-blend-flag /data)"',
         'EXTRA_ARGS="--seed 1 --sed 2" sbatch --nodes=2 slurm/train_lev_1b.sh',
         "bash tools/quickstart.sh --publish --no-such-option",
@@ -401,6 +422,7 @@ def test_the_checker_catches_what_does_not_exist():
         "python -m megatron_lev.train: --finetune is refused",
         "python tools/convert_to_hf.py: no flag --outptu",
         "python tools/no_such_script.py: no such script",
+        "python pretrain_lev_gpt.py: no flag --lev-num-head",
         "python tools/make_blend.py: no flag --no-blend-flag",
         "EXTRA_ARGS: no flag --sed",
         "bash tools/quickstart.sh: no flag --no-such-option in the script",

@@ -54,12 +54,12 @@ def to_json(value):
     return {"__repr__": repr(value)}
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--megatron-lm", required=True, help="a Megatron-LM checkout at tag core_v0.16.1")
     parser.add_argument("--output", required=True)
     parser.add_argument("--ref", help="what the checkout is, when it is not a git clone (e.g. an archive of core_v0.16.1)")
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     checkout = os.path.abspath(opts.megatron_lm)
     sys.path[:0] = [checkout, REPO]
     os.environ.setdefault("WORLD_SIZE", "1")
