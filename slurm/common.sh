@@ -109,6 +109,53 @@ check_blend() {
     done
 }
 
+# Megatron-LM's example scripts name some knobs differently: CHECKPOINT_PATH, GLOBAL_BATCH_SIZE,
+# MICRO_BATCH_SIZE, TENSORBOARD_LOGS_PATH work as this folder's names. Both names with different
+# values is refused (which one was meant cannot be known).
+MEGATRON_ALIASES=(CHECKPOINT_PATH:CHECKPOINT_DIR GLOBAL_BATCH_SIZE:GLOBAL_BATCH MICRO_BATCH_SIZE:MICRO_BATCH
+    TENSORBOARD_LOGS_PATH:TENSORBOARD_DIR)
+resolve_aliases() {
+    local pair alias canonical
+    for pair in "${MEGATRON_ALIASES[@]}"; do
+        alias=${pair%%:*} canonical=${pair#*:}
+        [[ -n ${!alias:-} ]] || continue
+        if [[ -n ${!canonical:-} && ${!canonical} != "${!alias}" ]]; then
+            die "$alias=${!alias} and $canonical=${!canonical} disagree ($alias is Megatron-LM's name for $canonical): set one of them"
+        fi
+        printf -v "$canonical" '%s' "${!alias}"
+    done
+}
+
+# GPUs per node of the allocation, and where that number comes from: Slurm's
+# SLURM_GPUS_ON_NODE, else SLURM_GPUS_PER_NODE ("8" or "h100:8"), else, inside a job,
+# nvidia-smi's count. Both empty when unknown (a dry run on a login node).
+allocation_gpus() {
+    ALLOC_GPUS="" ALLOC_GPUS_FROM=""
+    if [[ ${SLURM_GPUS_ON_NODE:-} =~ ^[0-9]+$ ]]; then
+        ALLOC_GPUS=$SLURM_GPUS_ON_NODE ALLOC_GPUS_FROM=SLURM_GPUS_ON_NODE
+    elif [[ ${SLURM_GPUS_PER_NODE:-} =~ ([0-9]+)$ ]]; then
+        ALLOC_GPUS=${BASH_REMATCH[1]} ALLOC_GPUS_FROM=SLURM_GPUS_PER_NODE
+    elif [[ -n ${SLURM_JOB_ID:-} ]] && command -v nvidia-smi >/dev/null; then
+        local count
+        count=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+        if ((count > 0)); then ALLOC_GPUS=$count ALLOC_GPUS_FROM="nvidia-smi -L"; fi
+    fi
+}
+
+# The trainer's own parser and batch arithmetic over the full command line (EXTRA_ARGS
+# included), at submit time and under DRY_RUN: a typo in a flag fails here, in one line,
+# before the queue wait and the allocation (megatron_lev/training/arguments.py; it reads no
+# data and imports no torch). Its warnings (ignored Megatron-LM flags) are passed on.
+check_trainer_flags() {
+    local out
+    if ! out=$(python -m megatron_lev.training.arguments --world-size "$((NODES * GPUS_PER_NODE))" \
+        "${train_args[@]}" 2>&1); then
+        out=$(grep -m1 'error: ' <<<"$out" || echo "$out" | tail -n1)
+        die "the trainer refuses its flags${EXTRA_ARGS:+ (EXTRA_ARGS=\"$EXTRA_ARGS\")}: ${out#*error: }"
+    fi
+    [[ -z $out ]] || echo "$out" >&2
+}
+
 # Hostnames of the allocation, one per line (placeholders outside Slurm, for DRY_RUN).
 job_hosts() {
     if [[ -n ${SLURM_JOB_NODELIST:-} ]]; then
@@ -272,8 +319,10 @@ build_commands() {
         --deepspeed-config "$DEEPSPEED_CONFIG"
         --gpu-type "$GPU_TYPE"
         --log-throughput  # TFLOP/s per GPU and MFU (against --gpu-type's peak) in every iteration line
-        --compile-layers  # torch.compile each decoder layer: fused RoPE/SwiGLU/RMSNorm (docs/performance.md)
     )
+    # torch.compile each decoder layer: fused RoPE/SwiGLU/RMSNorm (docs/performance.md); the
+    # compilation happens in the first step, and the log reports its time.
+    if [[ $COMPILE_LAYERS == 1 ]]; then train_args+=(--compile-layers); else train_args+=(--no-compile-layers); fi
     if [[ $BF16 == 1 ]]; then train_args+=(--bf16); else train_args+=(--no-bf16); fi
     read -r -a extra <<<"${EXTRA_ARGS:-}"
     train_args+=("${extra[@]}")
@@ -317,6 +366,8 @@ print_dry_run() {
         if [[ -v $var ]]; then echo "export $var=${!var@Q}"; else echo "unset $var"; fi
     done
     echo "# Batch: $(batch_summary)"
+    echo "# Checkpoints (--save, and --load to resume): $CHECKPOINT_DIR"
+    echo "# Decoder layers compiled (COMPILE_LAYERS=$COMPILE_LAYERS): $( ((COMPILE_LAYERS)) && echo yes || echo no)"
     echo "# The batch shell runs (one task per node, logs in $JOB_LOG_DIR):"
     print_cmd "${srun_cmd[@]}"
     for host in "${HOSTS[@]}"; do
@@ -374,27 +425,34 @@ launch_training() {
     [[ -z ${VALID_DATA_PATH:-} ]] || check_blend VALID_DATA_PATH "$VALID_DATA_PATH"
     [[ -z ${TEST_DATA_PATH:-} ]] || check_blend TEST_DATA_PATH "$TEST_DATA_PATH"
 
+    resolve_aliases
     : "${GPU_TYPE:=h100}"
     resolve_config
     gpu_defaults
     : "${NODES:=${SLURM_JOB_NUM_NODES:-1}}"
-    : "${GPUS_PER_NODE:=${SLURM_GPUS_ON_NODE:-8}}"
+    allocation_gpus
+    : "${GPUS_PER_NODE:=${ALLOC_GPUS:-8}}"
     : "${TOKENIZER_TYPE:=SentencePieceTokenizer}"
     : "${CHECKPOINT_DIR:=$MEGATRON_LEV_DIR/checkpoints/$CONFIG}"
     : "${TENSORBOARD_DIR:=$CHECKPOINT_DIR/tensorboard}"
     # ZeRO-2 overlaps the (fp32) gradient reduction with backward; PP > 1 needs ZeRO-1 (docs/slurm.md).
     : "${DEEPSPEED_CONFIG:=$MEGATRON_LEV_DIR/deepspeed_configs/zero$((PP > 1 ? 1 : 2)).json}"
-    : "${SAVE_INTERVAL:=1000}" "${LOG_INTERVAL:=10}" "${BF16:=1}"
+    : "${SAVE_INTERVAL:=1000}" "${LOG_INTERVAL:=10}" "${BF16:=1}" "${COMPILE_LAYERS:=1}"
     : "${SHUTDOWN_TIMEOUT:=240}" "${MAX_REQUEUES:=50}"
     : "${LOG_ROOT:=$MEGATRON_LEV_DIR/logs}"
     for var in NODES GPUS_PER_NODE TP PP SAVE_INTERVAL LOG_INTERVAL SHUTDOWN_TIMEOUT; do
         require_int "$var" "${!var}" 1
     done
+    if [[ -n $ALLOC_GPUS && $GPUS_PER_NODE != "$ALLOC_GPUS" ]]; then
+        die "GPUS_PER_NODE=$GPUS_PER_NODE but the allocation has $ALLOC_GPUS GPUs per node ($ALLOC_GPUS_FROM):" \
+            "unset GPUS_PER_NODE (it follows the allocation), or submit with --gres=gpu:$GPUS_PER_NODE"
+    fi
     [[ -z ${MICRO_BATCH:-} ]] || require_int MICRO_BATCH "$MICRO_BATCH" 1
     [[ -z ${EXIT_INTERVAL:-} ]] || require_int EXIT_INTERVAL "$EXIT_INTERVAL" 1
     require_int MAX_REQUEUES "$MAX_REQUEUES"
     [[ -z ${TRAIN_TOKENS:-} || -z ${TRAIN_ITERS:-} ]] || die "set TRAIN_TOKENS or TRAIN_ITERS, not both"
     [[ $BF16 == 0 || $BF16 == 1 ]] || die "BF16=$BF16: expected 0 or 1"
+    [[ $COMPILE_LAYERS == 0 || $COMPILE_LAYERS == 1 ]] || die "COMPILE_LAYERS=$COMPILE_LAYERS: expected 0 or 1"
     [[ -f $DEEPSPEED_CONFIG ]] || die "DEEPSPEED_CONFIG=$DEEPSPEED_CONFIG: no such file"
     local world=$((NODES * GPUS_PER_NODE))
     ((world % (TP * PP) == 0)) \
@@ -420,6 +478,7 @@ launch_training() {
     export_runtime_env
     torchrun_features
     build_commands
+    check_trainer_flags
 
     if [[ ${DRY_RUN:-0} == 1 ]]; then
         print_dry_run

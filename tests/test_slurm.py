@@ -21,7 +21,7 @@ SCRIPT_VARS = (
     "NODES GPUS_PER_NODE GPU_TYPE TP PP MICRO_BATCH GLOBAL_BATCH TRAIN_TOKENS TRAIN_ITERS CONFIG "
     "DATA_PATH VALID_DATA_PATH TEST_DATA_PATH TOKENIZER_TYPE TOKENIZER_MODEL CHECKPOINT_DIR "
     "SEQ_LENGTH TENSORBOARD_DIR DEEPSPEED_CONFIG SAVE_INTERVAL LOG_INTERVAL EXIT_INTERVAL BF16 EXTRA_ARGS DRY_RUN "
-    "LOG_ROOT "
+    "LOG_ROOT COMPILE_LAYERS CHECKPOINT_PATH GLOBAL_BATCH_SIZE MICRO_BATCH_SIZE TENSORBOARD_LOGS_PATH "
     "SITE_ENV VENV MAX_REQUEUES SHUTDOWN_TIMEOUT MASTER_ADDR MASTER_PORT MEGATRON_LEV_DIR "
     "PILE_DIR OUTPUT_DIR WORKERS FORCE"
 ).split()
@@ -206,6 +206,22 @@ def test_batch_arithmetic_for_every_node_count(tmp_path, fake_inputs):
     ({"NODES": 2, "SLURM_JOB_NUM_NODES": 4, "SLURM_JOB_ID": 7, "SLURM_JOB_NODELIST": "n[1-4]"},
      "NODES=2 but the allocation has 4 nodes"),
     ({"DRY_RUN": None}, "not inside a Slurm job"),
+    ({"CHECKPOINT_PATH": "/scratch/a", "CHECKPOINT_DIR": "/scratch/b"},
+     "slurm: error: CHECKPOINT_PATH=/scratch/a and CHECKPOINT_DIR=/scratch/b disagree (CHECKPOINT_PATH is "
+     "Megatron-LM's name for CHECKPOINT_DIR): set one of them\n"),
+    ({"COMPILE_LAYERS": "yes"}, "COMPILE_LAYERS=yes: expected 0 or 1"),
+    # The allocation's GPU count, from either of Slurm's variables.
+    ({"GPUS_PER_NODE": 8, "SLURM_GPUS_ON_NODE": 4, "SLURM_JOB_ID": 7},
+     "slurm: error: GPUS_PER_NODE=8 but the allocation has 4 GPUs per node (SLURM_GPUS_ON_NODE): unset "
+     "GPUS_PER_NODE (it follows the allocation), or submit with --gres=gpu:8\n"),
+    ({"GPUS_PER_NODE": 4, "SLURM_GPUS_PER_NODE": "h100:8"},
+     "GPUS_PER_NODE=4 but the allocation has 8 GPUs per node (SLURM_GPUS_PER_NODE)"),
+    # EXTRA_ARGS through the trainer's parser and batch arithmetic, at submit time.
+    ({"EXTRA_ARGS": "--lr 3e-4 --lr-warmup-iter 100"},
+     'slurm: error: the trainer refuses its flags (EXTRA_ARGS="--lr 3e-4 --lr-warmup-iter 100"): unrecognized '
+     "argument --lr-warmup-iter (did you mean --lr-warmup-iters?)\n"),
+    ({"EXTRA_ARGS": "--micro-batch-size 3"}, "--global-batch-size 512 must be a multiple of --micro-batch-size 3"),
+    ({"EXTRA_ARGS": "--zero-stage 5"}, "--zero-stage"),
 ])
 def test_clear_errors(fake_inputs, env, message):
     base = {k: v for k, v in fake_inputs.items() if k != "prefixes"}
@@ -219,6 +235,33 @@ def test_clear_errors(fake_inputs, env, message):
     assert proc.returncode == 1
     assert message in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1  # one line
+    assert proc.stdout == ""  # refused before anything is printed
+
+
+def test_megatron_names_and_switches(fake_inputs):
+    """Megatron-LM's variable names set the same things (checkpoint folder, batch sizes,
+    TensorBoard folder); COMPILE_LAYERS=0 turns --compile-layers off (on by default); the
+    allocation's GPU count is the default GPUS_PER_NODE."""
+    inputs = {k: v for k, v in fake_inputs.items() if k not in ("prefixes", "CHECKPOINT_DIR")}
+    proc = run_script("train_lev_1b.sh", DRY_RUN=1, CHECKPOINT_PATH="/scratch/run 1", GLOBAL_BATCH_SIZE=64,
+                      MICRO_BATCH_SIZE=2, TENSORBOARD_LOGS_PATH="/scratch/tb", COMPILE_LAYERS=0,
+                      SLURM_GPUS_PER_NODE="a100:4", **inputs)
+    assert proc.returncode == 0, proc.stderr
+    (cmd,) = [shlex.split(l) for l in proc.stdout.splitlines() if l.startswith("torchrun ")]
+    assert flag(cmd, "--save") == flag(cmd, "--load") == ["/scratch/run 1"]
+    assert flag(cmd, "--global-batch-size") == ["64"] and flag(cmd, "--micro-batch-size") == ["2"]
+    assert flag(cmd, "--tensorboard-dir") == ["/scratch/tb"] and flag(cmd, "--nproc-per-node") == ["4"]
+    assert "--no-compile-layers" in cmd and "--compile-layers" not in cmd
+    lines = proc.stdout.splitlines()
+    assert "# Checkpoints (--save, and --load to resume): /scratch/run 1" in lines
+    assert "# Decoder layers compiled (COMPILE_LAYERS=0): no" in lines
+    assert "# Batch: DP=4 x MICRO_BATCH=2 x ACCUMULATION=8 = GLOBAL_BATCH=64 sequences of 512 tokens per step" in lines
+
+    proc = run_script("train_lev_1b.sh", DRY_RUN=1, **inputs)
+    (cmd,) = [shlex.split(l) for l in proc.stdout.splitlines() if l.startswith("torchrun ")]
+    assert "--compile-layers" in cmd and "--no-compile-layers" not in cmd
+    assert "# Decoder layers compiled (COMPILE_LAYERS=1): yes" in proc.stdout.splitlines()
+    assert flag(cmd, "--save") == [str(REPO / "checkpoints" / "lev-1.2b")]
 
 
 def _fake_torch(root: Path, *flags: str) -> Path:

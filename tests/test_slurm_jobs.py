@@ -109,7 +109,7 @@ def two_node_job(tmp_path_factory, tiny_dataset, spm_tokenizer):
         TRAIN_ITERS=train_iters, SAVE_INTERVAL=save_interval, LOG_INTERVAL=1, BF16=0, GPU_TYPE="h100",
         DATA_PATH=tiny_dataset, TOKENIZER_MODEL=spm_tokenizer, CHECKPOINT_DIR=ckpt, LOG_ROOT=logs,
         # torch.compile of each layer would take most of the test's time on 2 CPU cores.
-        EXTRA_ARGS="--split 90,8,2 --eval-interval 100000 --eval-iters 1 --no-compile-layers")
+        COMPILE_LAYERS=0, EXTRA_ARGS="--split 90,8,2 --eval-interval 100000 --eval-iters 1")
     metrics = ckpt / "metrics.jsonl"
     job = {"env": env, "ckpt": ckpt, "metrics": metrics, "job_id": job_id, "requeues": requeues,
            "job_logs": logs / f"lev-test-{job_id}", "tmp_path": tmp_path}

@@ -20,6 +20,7 @@ import sys
 import yaml
 
 from megatron_lev.configs import config_path, load_config, model_field_source
+from megatron_lev.training.ds_config import build_deepspeed_config
 from megatron_lev.training.megatron_flags import TRAIN_IGNORED, TRAIN_REFUSED
 from megatron_lev.utils.errors import ConfigError
 from megatron_lev.utils.flags import MegatronArgumentParser, add_compat_flags, warn_ignored
@@ -579,3 +580,30 @@ def summarize_config(cfg: dict, full_path: str) -> str:
 
 def format_config(cfg: dict) -> str:
     return yaml.safe_dump(cfg, sort_keys=False, default_flow_style=None, width=100)
+
+
+def validate_flags(argv, world_size: int) -> tuple[argparse.Namespace, dict]:
+    """The checks that read only the command line, the YAML and the DeepSpeed JSON: parse,
+    validate against the job size, build the DeepSpeed config. The first steps of the trainer's
+    start-up validation (validation.py), and what the Slurm scripts run at submit time."""
+    args = validate_args(parse_args(argv), world_size)
+    return args, build_deepspeed_config(args)
+
+
+def main(argv=None) -> int:
+    """`python -m megatron_lev.training.arguments --world-size N <training flags>`: check the
+    flags of a job of N processes without reading data or importing torch (the Slurm scripts'
+    submit-time check); exit 0 silently, or print the one-line error and exit 2."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--world-size", type=int, default=1)
+    known, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        validate_flags(rest, known.world_size)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"megatron_lev.train: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

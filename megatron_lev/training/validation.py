@@ -27,10 +27,9 @@ from megatron_lev.checkpointing.universal import layout_changes, zero_stage
 from megatron_lev.data.datasets import max_token_id, plan_datasets, preprocessing_stats
 from megatron_lev.data.tokenizer import build_tokenizer
 from megatron_lev.models.config import LeviathanConfig, model_config_from_dict
-from megatron_lev.training.arguments import (derive_vocab_size, effective_config, padded_vocab_line, parse_args,
-                                             tokenizer_source, validate_args)
+from megatron_lev.training.arguments import (derive_vocab_size, effective_config, padded_vocab_line, tokenizer_source,
+                                             validate_flags)
 from megatron_lev.training.batches import dataset_arguments
-from megatron_lev.training.ds_config import build_deepspeed_config
 from megatron_lev.training.optim import schedule_mismatch
 from megatron_lev.utils.errors import ConfigError
 
@@ -53,9 +52,7 @@ class Run:
 def validate_run(argv=None, world_size: int = 1, rank: int = 0) -> Run:
     """Every check of a training run, in order (module docstring); the first problem is raised
     as one line naming the flag, file or field. Warnings (rank 0) go to stderr."""
-    args = parse_args(argv)
-    validate_args(args, world_size)
-    ds_config = build_deepspeed_config(args)
+    args, ds_config = validate_flags(argv, world_size)
     check_deepspeed_version(ds_config, args.deepspeed_config_path)
     plan = plan_datasets(**dataset_arguments(args))
     prefixes = data_prefixes(args, plan)
