@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -29,23 +30,30 @@ from megatron_lev.checkpointing.safe_load import CheckpointLoadError
 from megatron_lev.checkpointing.save import write_run_config
 from megatron_lev.distributed.launch import detect_launch_env, init_distributed
 from megatron_lev.distributed.rng import set_seed
-from megatron_lev.distributed.state import destroy_parallel, initialize_model_parallel, is_rank_0
+from megatron_lev.distributed.state import destroy_parallel, initialize_model_parallel, is_rank_0, print_rank_0
 from megatron_lev.training.arguments import format_config, summarize_config
 from megatron_lev.training.batches import build_datasets
 from megatron_lev.training.trainer import ExitSignalHandler, Trainer, fail
 from megatron_lev.training.validation import validate_run
 from megatron_lev.utils.errors import ConfigError
+from megatron_lev.utils.run_log import StartupTimer, configure_logging
 
 
 def main(argv=None) -> int:
     """Train; returns the exit code. Callable in-process: it initialises torch.distributed
     only if nobody did, and tears down only what it set up."""
+    # From the process start (the first phase is the imports); a call in a running process
+    # (tests, notebooks) counts from the call.
+    timer = StartupTimer() if argv is None else StartupTimer(start=time.time())
+    timer.mark("imports")
     launch = detect_launch_env()
     try:
         run = validate_run(argv, launch.world_size, launch.rank)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         return fail(str(exc), launch.rank)
     args, config = run.args, run.config
+    configure_logging(args.logging_level)
+    timer.mark("validation")
 
     owns_process_group = not dist.is_initialized()
     init_distributed(timeout_minutes=args.distributed_timeout_minutes)
@@ -53,6 +61,7 @@ def main(argv=None) -> int:
     exit_handler = None
     try:
         set_seed(args.seed)
+        timer.mark("distributed")
         if is_rank_0():
             if args.save:  # the full configuration goes to the run folder, a summary to stdout
                 write_run_config(args.save, config)
@@ -63,10 +72,14 @@ def main(argv=None) -> int:
             datasets = build_datasets(args, run.tokenizer)
         except (ValueError, FileNotFoundError) as exc:
             return fail(str(exc), launch.rank)
+        timer.mark("data")
         try:
             trainer = Trainer(run, datasets)
         except (CheckpointLoadError, ConfigError) as exc:  # raised on every rank alike (a fallback checkpoint's
             return fail(str(exc), launch.rank)             # files or config, checked collectively)
+        timer.mark("model and engine")
+        print_rank_0(timer.line())
+        trainer.startup = timer  # the first iteration line reports the time to first step
         # Only now: a signal during start-up kills the job as usual (nothing new to save, and
         # a hung start-up must stay killable); from here on it means "checkpoint, exit 0".
         if args.exit_signal_handler:

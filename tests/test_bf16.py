@@ -91,8 +91,19 @@ def _jobs(rank, world_size, jobs):
             dist.barrier()
             out.append(None)
         else:
-            out.append(main(job[0]) if kind == "train" else bf16_gradients(rank, world_size, *job))
+            out.append(_logged_main(main, job[0], rank) if kind == "train" else bf16_gradients(rank, world_size, *job))
     return out
+
+
+def _logged_main(main, argv, rank):
+    """main(argv) with this rank's stdout and stderr (prints, warnings) in log.rank<N>.txt next to
+    the run's metrics.jsonl: what a user's log file would hold."""
+    import contextlib
+
+    log_path = os.path.join(os.path.dirname(argv[argv.index("--metrics-file") + 1]), f"log.rank{rank}.txt")
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        return main(argv)
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +156,37 @@ def bf16_work(tiny_dataset, spm_tokenizer, tmp_path_factory):
     codes = {name: code for name, code in results.items() if not isinstance(code, dict) and code is not None}
     assert all(code == 0 for code in codes.values()), codes
     return work, {name: r for name, r in results.items() if isinstance(r, dict)}
+
+
+def test_bf16_log_is_megatron_lines(bf16_work):
+    """The log of a tiny bf16 TP=2 run (the first of its process, as a job's is): Megatron-style
+    lines and the start-up breakdown; none of DeepSpeed's bf16 memory dumps (print()ed six times
+    by its BF16_Optimizer) or megatron-core's warnings that do not apply (CUDA_DEVICE_MAX_CONNECTIONS
+    on CPU, its own deprecated default cuda_graph_scope): those are debug output (--logging-level 10)."""
+    import re
+
+    work, _ = bf16_work
+    logs = [open(os.path.join(work, "bf16_tp2", f"log.rank{r}.txt")).read() for r in (0, 1)]
+    for log in logs:
+        assert not [l for l in log.splitlines() if re.match(r"MA [\d.]+ GB|CPU Virtual Memory|(begin|end) bf16_", l)], log
+        assert "UserWarning" not in log and "CUDA_DEVICE_MAX_CONNECTIONS" not in log and "deprecated" not in log, log
+        assert "built successfully" not in log, log
+    assert logs[1] == ""  # rank 1 says nothing
+    lines = logs[0].splitlines()
+    (startup,) = [l for l in lines if l.startswith(" > start-up")]
+    assert re.fullmatch(r" > start-up \(seconds\): validation [\d.]+, distributed [\d.]+, data [\d.]+, model and "
+                        r"engine [\d.]+; [\d.]+ in all before the first step", startup.replace("imports 0.00, ", "")), startup
+    # The first iteration line adds the time from the start to the end of step 1; the others do not.
+    iterations = [l for l in lines if "] iteration " in l]
+    assert len(iterations) == LAYOUT_STEPS and re.search(r"\| time to first step \(s\): [\d.]+ \|$", iterations[0])
+    assert all("time to first step" not in l for l in iterations[1:])
+    # On CPU the first step compiles LEV's mode product (torch.compile), and says so before its line.
+    (compiled,) = [i for i, l in enumerate(lines) if l.startswith(" > compiled ")]
+    assert re.fullmatch(r" > compiled LEV's CPU mode product in [\d.]+ s \(torch.compile, during the first step: "
+                        r"[\d.]+ s\)", lines[compiled]) and lines[compiled + 1] == iterations[0], lines[compiled:]
+    # Everything else: the config summary, evaluation, checkpoints.
+    others = [l for l in lines if l not in iterations and l not in (startup, lines[compiled])]
+    assert len(others) <= 25, others
 
 
 def test_bf16_layouts_match_one_rank(bf16_work):

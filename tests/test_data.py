@@ -248,6 +248,17 @@ def test_max_token_id_from_stats_and_by_scan(tiny_dataset, corpus_texts, spm, tm
     stale = json.load(open(tiny_dataset + ".stats.json"))
     json.dump({**stale, "max_token_id": 5, "bin_bytes": 1}, open(copy + ".stats.json", "w"))
     assert max_token_id(copy) == true_max  # stats for another .bin: ignored
+    # Scanned once per .bin: the answer is kept in the data cache for the next start.
+    os.remove(copy + ".stats.json")
+    cache = tmp_path / "cache"
+    assert max_token_id(copy, str(cache)) == true_max
+    (kept,) = cache.glob("max_token_id_*.json")
+    record = json.loads(kept.read_text())
+    assert record["max_token_id"] == true_max and record["bin"] == os.path.abspath(copy + ".bin")
+    kept.write_text(json.dumps({**record, "max_token_id": 7}))
+    assert max_token_id(copy, str(cache)) == 7  # read, not scanned
+    os.utime(copy + ".bin", ns=(record["bin_mtime_ns"] + 10**9,) * 2)
+    assert max_token_id(copy, str(cache)) == true_max  # the .bin changed: scanned again
 
 
 # ----------------------------------------------------------------------------- data-parallel sharding

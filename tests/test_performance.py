@@ -257,3 +257,27 @@ def test_cpu_processes_reuse_freed_memory_instead_of_faulting_it_in_again():
     assert applied == "False"
     assert cpu_malloc_environ({"MALLOC_TRIM_THRESHOLD_": "1000000"}) == {}
     assert cpu_malloc_environ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {}
+
+
+def test_compile_time_line(single_rank, capsys):  # noqa: F811
+    """--compile-layers compiles in the first step: one line before the first iteration line says
+    how many decoder layers and how long torch.compile took (its own count, else the first step)."""
+    from types import SimpleNamespace
+
+    from megatron_lev.training.trainer import Trainer
+
+    config, _, _ = tiny_model_and_batch()
+    model = LeviathanModel(config)
+    trainer = SimpleNamespace(engine=SimpleNamespace(module=model), device=torch.device("cuda"), model_config=config)
+    Trainer.report_compilation(trainer, 0.31, 0.0)
+    assert capsys.readouterr().out == ""  # nothing compiled: no line
+    assert compile_decoder_layers(model) == 2
+    Trainer.report_compilation(trainer, 12.34, 11.02)
+    Trainer.report_compilation(trainer, 12.34, None)  # a torch that keeps no count
+    assert capsys.readouterr().out.splitlines() == [
+        " > compiled 2 decoder layers in 11.0 s (torch.compile, during the first step: 12.3 s)",
+        " > compiled 2 decoder layers in 12.3 s (torch.compile, during the first step: 12.3 s)"]
+    trainer.device = torch.device("cpu")  # LEV's mode product is compiled on CPU too
+    Trainer.report_compilation(trainer, 7.0, 6.0)
+    assert capsys.readouterr().out == (" > compiled 2 decoder layers and LEV's CPU mode product in 6.0 s "
+                                       "(torch.compile, during the first step: 7.0 s)\n")

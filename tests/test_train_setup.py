@@ -398,3 +398,58 @@ def test_a_deepspeed_with_the_overlap_comm_races_is_refused_for_zero_1_and_2(tmp
     assert main(["--world-size", "2", *good, "--zero-stage", "3"]) == 0
     installed["deepspeed"] = DEEPSPEED_OVERLAP_COMM_FIXED
     assert main(["--world-size", "2", *good, "--zero-stage", "2"]) == 0
+
+
+def test_third_party_chatter_is_debug_output(capsys, caplog):
+    """DeepSpeed's print()s around engine building go to the debug log (shown with --logging-level
+    10, and on stderr when the block fails); megatron-core's warnings that do not apply are
+    filtered for megatron.core's modules only."""
+    import logging
+    import warnings
+
+    from megatron_lev.utils.run_log import NOISY_MEGATRON_CORE_WARNINGS, StartupTimer, configure_logging, quiet_prints
+
+    with caplog.at_level(logging.DEBUG, logger="megatron_lev"):
+        with quiet_prints(None, "deepspeed.initialize"):
+            print("MA 0.53 GB         Max_MA 0.53 GB")
+    assert capsys.readouterr().out == ""
+    assert caplog.messages == ["deepspeed.initialize: MA 0.53 GB         Max_MA 0.53 GB"]
+    with quiet_prints(10, "deepspeed.initialize"):
+        print("begin bf16_optimizer")
+    assert capsys.readouterr().out == "begin bf16_optimizer\n"
+    with pytest.raises(RuntimeError, match="boom"), quiet_prints(None, "deepspeed.initialize"):
+        print("what led to it")
+        raise RuntimeError("boom")
+    assert capsys.readouterr() == ("", "what led to it\n")
+
+    message = NOISY_MEGATRON_CORE_WARNINGS[0] + " to 1 for maximum speedup"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        configure_logging(None)
+        for module in ("megatron.core.tensor_parallel.layers", "megatron_lev.models.layers"):
+            warnings.warn_explicit(message, UserWarning, "layers.py", 738, module=module)
+    assert [w.filename for w in caught] == ["layers.py"] and len(caught) == 1  # only the non-megatron.core one
+
+    # DeepSpeed's memory reports (a gc.collect() and three printed lines each) are skipped while
+    # the engine is built, and only then.
+    from deepspeed.runtime import bf16_optimizer, utils as ds_utils
+
+    from megatron_lev.utils.run_log import quiet_deepspeed
+
+    original = ds_utils.see_memory_usage
+    with caplog.at_level(logging.DEBUG, logger="megatron_lev"), quiet_deepspeed(None):
+        assert bf16_optimizer.see_memory_usage is not original
+        bf16_optimizer.see_memory_usage("begin bf16_optimizer", force=True)
+        print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
+    assert bf16_optimizer.see_memory_usage is original and capsys.readouterr() == ("", "")
+    assert caplog.messages[-2:] == ["deepspeed memory report skipped: begin bf16_optimizer",
+                                    "deepspeed.initialize: DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built "
+                                    "successfully"]
+    with quiet_deepspeed(10):
+        assert bf16_optimizer.see_memory_usage is original
+
+    timer = StartupTimer(start=0.0)
+    timer.last = 0.0
+    timer.phases = [("imports", 4.25), ("validation", 0.5)]
+    timer.last = 4.75
+    assert timer.line() == " > start-up (seconds): imports 4.25, validation 0.50; 4.8 in all before the first step"

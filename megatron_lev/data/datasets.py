@@ -41,6 +41,8 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import _IndexReader, get_bin_path, get_idx_path
 from megatron.core.datasets.utils import get_blend_from_list
 
+from megatron_lev.utils.files import write_json_atomic
+
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 Blend = tuple[list[str], list[float] | None]
@@ -96,23 +98,40 @@ def preprocessing_stats(prefix: str) -> dict | None:
     return stats if stats.get("bin_bytes") == os.path.getsize(get_bin_path(prefix)) else None
 
 
-def max_token_id(prefix: str) -> int:
+def max_token_id(prefix: str, cache_dir: str | None = None) -> int:
     """The highest token id in a dataset (-1 if empty), so training can refuse data that
     does not fit its vocabulary.
 
     Read from the `.stats.json` that preprocess_data.py writes (when it matches the .bin),
-    else computed by scanning the .bin.
+    else computed by scanning the .bin: every byte of it, on every rank, so the answer is kept
+    in `cache_dir` (the run's --data-cache-path) for the next start (a requeue, a resume) while
+    the .bin keeps its path, size and modification time.
     """
     check_dataset_prefix(prefix)
     bin_path = get_bin_path(prefix)
     stats = preprocessing_stats(prefix)
     if stats is not None and "max_token_id" in stats:
         return int(stats["max_token_id"])
+    st = os.stat(bin_path)
+    key = {"bin": os.path.abspath(bin_path), "bin_bytes": st.st_size, "bin_mtime_ns": st.st_mtime_ns}
+    cache = None
+    if cache_dir:
+        name = hashlib.sha256(key["bin"].encode()).hexdigest()[:16]
+        cache = os.path.join(cache_dir, f"max_token_id_{name}.json")
+        with contextlib.suppress(OSError, ValueError):
+            with open(cache, encoding="utf-8") as f:
+                cached = json.load(f)
+            if {k: cached.get(k) for k in key} == key:
+                return int(cached["max_token_id"])
     dtype = _IndexReader(get_idx_path(prefix), multimodal=False).dtype
-    data = np.memmap(bin_path, dtype=dtype, mode="r") if os.path.getsize(bin_path) else np.empty(0, dtype)
+    data = np.memmap(bin_path, dtype=dtype, mode="r") if st.st_size else np.empty(0, dtype)
     highest, step = -1, 1 << 26
     for start in range(0, len(data), step):
         highest = max(highest, int(data[start:start + step].max()))
+    if cache is not None:
+        with contextlib.suppress(OSError):  # a read-only cache folder: scan again next time
+            os.makedirs(cache_dir, exist_ok=True)
+            write_json_atomic(cache, {**key, "max_token_id": highest})
     return highest
 
 

@@ -65,7 +65,8 @@ class ParallelLEVEmbedding(MegatronModule):
             transformer_config = TransformerConfig(
                 num_layers=1, hidden_size=config.hidden_size, num_attention_heads=config.num_heads,
                 tensor_model_parallel_size=tp_size, sequence_parallel=sequence_parallel and tp_size > 1,
-                params_dtype=params_dtype, use_cpu_initialization=True)
+                params_dtype=params_dtype, use_cpu_initialization=True,
+                cuda_graph_scope=[])  # megatron-core's default "full" is deprecated and warns
         super().__init__(transformer_config)
         self.lev_config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size

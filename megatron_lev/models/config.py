@@ -52,6 +52,8 @@ class LeviathanConfig(TransformerConfig):
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     use_cpu_initialization: bool = True
+    # megatron-core's default, "full", is deprecated (it warns on every config); [] means the same.
+    cuda_graph_scope: list = field(default_factory=list)
 
     def __post_init__(self):
         self._validate()

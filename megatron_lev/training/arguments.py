@@ -94,6 +94,7 @@ TRAINING_DEFAULTS = {
     "zero_stage": None,
     "log_interval": 100,
     "log_throughput": False,
+    "logging_level": None,
     "tensorboard_dir": None,
     "metrics_file": None,
     "wandb_project": None,
@@ -227,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, help="global batches per evaluation")
     g.add_argument("--log-interval", type=int)
     g.add_argument("--log-throughput", action="store_true", help="add TFLOP/s per GPU (and MFU) to the log line")
+    g.add_argument("--logging-level", type=int,
+                   help="Python logging level (10 debug, 20 info; default: loggers' own, DeepSpeed's WARNING); 10 "
+                   "also shows the third-party start-up chatter a run hides (DeepSpeed's memory dumps, megatron-core "
+                   "warnings that do not apply)")
     g.add_argument("--tensorboard-dir")
     g.add_argument("--metrics-file", help="JSON-lines log (default: <save>/metrics.jsonl, "
                    "else <tensorboard-dir>/metrics.jsonl)")

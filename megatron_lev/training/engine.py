@@ -11,6 +11,7 @@ from megatron_lev.distributed.state import DeepSpeedMPU, print_rank_0
 from megatron_lev.models.init_stats import init_statistics_line
 from megatron_lev.training.ds_config import offloads_optimizer
 from megatron_lev.training.optim import build_lr_scheduler, build_optimizer
+from megatron_lev.utils.run_log import quiet_deepspeed
 
 
 def poison_nonfinite(loss: torch.Tensor) -> torch.Tensor:
@@ -62,6 +63,9 @@ def build_engine(args, model_config, ds_config: dict):
     def scheduler(opt):
         return build_lr_scheduler(opt, args)
 
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config, mpu=mpu)
+    # DeepSpeed's bf16 optimizer reports memory six times (a gc.collect() and three printed lines
+    # each): skipped unless --logging-level 10.
+    with quiet_deepspeed(getattr(args, "logging_level", None)):
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=ds_config, mpu=mpu)
     return engine

@@ -68,6 +68,8 @@ SUPPORTED_NOTES = {
     "--lr-decay-style": "default cosine here (Megatron: linear); the packaged configs set it",
     "--exit-signal-handler": "on by default here (SIGTERM and SIGUSR1)",
     "--log-throughput": "adds TFLOP/s per GPU (and MFU with --gpu-type) to the log line",
+    "--logging-level": "10 (debug) also shows what a run's log leaves out: DeepSpeed's memory dumps, "
+                       "megatron-core warnings that do not apply here",
     "--local-rank": "the deepspeed launcher's; the rank is read from the environment",
     "--tokenizer-type": "GPT2BPETokenizer (--vocab-file, --merge-file; Megatron-LM's ids), SentencePieceTokenizer, "
                         "GPTSentencePieceTokenizer, HuggingFaceTokenizer; preprocessing also Llama2Tokenizer "

@@ -131,6 +131,8 @@ class Trainer:
         self.count_distinct = model_config.embedding == "lev"
         self.lev_vocab_size = model_config.vocab_size if self.count_distinct else None
         self.last_saved: Optional[int] = None
+        self.startup = None  # the StartupTimer of train.py: the first log line's time to first step
+        self.time_to_first_step: Optional[float] = None  # seconds from the start-up timer's start
 
         if args.load:
             tag = resume_tag
@@ -257,6 +259,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ logging
 
+    def report_compilation(self, first_step_s: float, compile_s: Optional[float]) -> None:
+        """torch.compile works in the first step (forward, then backward): --compile-layers' decoder
+        layers, and on CPU LEV's mode product. Say how long it took, by torch's own count
+        (`compile_s`; None: this torch keeps none, and the first step's time bounds it)."""
+        layers = sum(getattr(m, "compiled_forward", None) is not None for m in self.engine.module.modules())
+        compile_s = first_step_s if compile_s is None else compile_s
+        if not layers and compile_s < 0.05:
+            return
+        what = [f"{layers} decoder layers"] if layers else []
+        if self.device.type == "cpu" and self.model_config.embedding == "lev" and compile_s >= 0.05:
+            what.append("LEV's CPU mode product")
+        print_rank_0(f" > compiled {' and '.join(what) or 'the model'} in {compile_s:.1f} s (torch.compile, during "
+                     f"the first step: {first_step_s:.1f} s)")
+
     def log(self, stats: IntervalStats, lr: float, grad_norm: Optional[float]) -> None:
         """One log line: the interval's mean loss (over applied steps), the last step's lr
         and grad norm (pre-clipping; inf for a skipped step), speed and memory."""
@@ -284,7 +300,11 @@ class Trainer:
         }
         self.metrics.write(record, st.iteration)
         if self.rank == 0:
-            print(megatron_log_line(record, args, stats), flush=True)
+            line = megatron_log_line(record, args, stats)
+            if self.time_to_first_step is not None:  # the run's first log line
+                line += f" time to first step (s): {self.time_to_first_step:.1f} |"
+            print(line, flush=True)
+        self.time_to_first_step = None
 
     # ------------------------------------------------------------------ the loop
 
@@ -298,9 +318,19 @@ class Trainer:
         stats = IntervalStats()
         grad_norm = None
         last_eval = None
+        first_step = True
         while st.iteration < args.train_iters:
             lr = self.engine.get_lr()[0]  # the rate this step uses
+            if first_step:
+                step_start, compiling_before = time.perf_counter(), _compile_seconds()
             loss, distinct = self.train_step(batches)
+            if first_step:
+                first_step = False
+                if self.startup is not None:
+                    self.time_to_first_step = self.startup.since_start()
+                compiling_after = _compile_seconds()
+                self.report_compilation(time.perf_counter() - step_start, None if compiling_before is None
+                                        else compiling_after - compiling_before)
             applied = self.engine.was_step_applied()
             grad_norm = self.engine.get_global_grad_norm()
             grad_norm = float(grad_norm) if grad_norm is not None else None
@@ -379,6 +409,16 @@ def megatron_log_line(record: dict, args, stats: IntervalStats) -> str:
     return line + (f" number of skipped iterations: {stats.skipped:3d} | number of nan iterations: {nan:3d} |"
                    f" tokens per second: {record['tokens_per_s']:.1f} | mem: {record['memory_gb']:.2f} GB |"
                    f" ETA: {eta} |")
+
+
+def _compile_seconds() -> Optional[float]:
+    """Seconds torch.compile has spent in this process (dynamo's frame and backward compiles)."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        return calculate_time_spent()["total_wall_time"]
+    except (ImportError, KeyError):
+        return None
 
 
 def _memory_gb() -> float:

@@ -135,7 +135,7 @@ def check_vocab(args, tokenizer, prefixes: list[tuple[str, str]], vocab_size: in
         raise ConfigError(f"{tokenizer_source(args)} has {tokenizer.vocab_size} tokens but the "
                           f"model's vocab_size is {vocab_size} ({args.config}): raise model.vocab_size")
     for flag, prefix in prefixes:
-        highest = max_token_id(prefix)
+        highest = max_token_id(prefix, args.data_cache_path)
         if highest >= vocab_size:
             raise ConfigError(f"{flag} {prefix}: holds token id {highest}, outside the model's vocab_size "
                               f"{vocab_size} ({args.config}): was it tokenized with another tokenizer?")
