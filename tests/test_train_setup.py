@@ -448,6 +448,18 @@ def test_third_party_chatter_is_debug_output(capsys, caplog):
     with quiet_deepspeed(10):
         assert bf16_optimizer.see_memory_usage is original
 
+    # The engine is built without DeepSpeed's CPU shared-memory all-reduce for inference (a g++
+    # build at start-up; training never calls it).
+    import importlib
+
+    from megatron_lev.training.engine import without_inference_comm_op
+
+    ds_comm = importlib.import_module("deepspeed.comm.torch")
+    build = ds_comm.build_shm_op
+    with without_inference_comm_op():
+        assert ds_comm.build_shm_op() is None
+    assert ds_comm.build_shm_op is build
+
     timer = StartupTimer(start=0.0)
     timer.last = 0.0
     timer.phases = [("imports", 4.25), ("validation", 0.5)]

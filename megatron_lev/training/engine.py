@@ -5,6 +5,8 @@ parameters once over TP and sums shards over TP/PP/DP) and skips a step whose gr
 not finite; `poison_nonfinite` makes sure a non-finite loss gives one."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from megatron_lev.distributed.state import DeepSpeedMPU, print_rank_0
@@ -27,6 +29,27 @@ def _poisoned(loss_fn):
         return poison_nonfinite(loss_fn(*args, **kwargs))
 
     return wrapped
+
+
+@contextlib.contextmanager
+def without_inference_comm_op():
+    """DeepSpeed's communication backend JIT-builds, on the CPU accelerator, a shared-memory
+    all-reduce (deepspeed_shm_comm) when it starts. Only DeepSpeed-Inference calls it
+    (`inference_all_reduce`, which uses torch's all-reduce without it); training never does.
+    Its g++ build took 28-40 s of the start-up here whenever ~/.cache/torch_extensions held a
+    build with other flags (docs/performance.md), so the engine is built without it."""
+    import importlib
+
+    ds_comm = importlib.import_module("deepspeed.comm.torch")  # the module (the package's `torch` is torch)
+    original = getattr(ds_comm, "build_shm_op", None)
+    if original is None:  # another DeepSpeed: nothing to skip
+        yield
+        return
+    ds_comm.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_comm.build_shm_op = original
 
 
 def build_engine(args, model_config, ds_config: dict):
@@ -65,7 +88,7 @@ def build_engine(args, model_config, ds_config: dict):
 
     # DeepSpeed's bf16 optimizer reports memory six times (a gc.collect() and three printed lines
     # each): skipped unless --logging-level 10.
-    with quiet_deepspeed(getattr(args, "logging_level", None)):
+    with quiet_deepspeed(getattr(args, "logging_level", None)), without_inference_comm_op():
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=ds_config, mpu=mpu)
     return engine
