@@ -256,10 +256,16 @@ def test_sigterm_checkpoints_and_exits_zero(tiny_dataset, spm_tokenizer, tmp_pat
     logged = [re.fullmatch(r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +100000 \| consumed samples: +(\d+) "
                            r"\| elapsed time per iteration \(ms\): [\d.]+ \| learning rate: (\S+) \| global batch size: +8 "
                            r"\| lm loss: (\S+) \| grad norm: [\d.]+ \| number of skipped iterations: +0 \| number of nan "
-                           r"iterations: +0 \| tokens per second: [\d.]+ \| mem: [\d.]+ GB \| ETA: (?:\d+ days?, )?\d+:\d\d:\d\d \|", line)
+                           r"iterations: +0 \| tokens per second: [\d.]+ \| mem: [\d.]+ GB \| ETA: (?:\d+ days?, )?\d+:\d\d:\d\d \|"
+                           r"( time to first step \(s\): [\d.]+ \|)?", line)
               for line in out.splitlines() if "] iteration " in line]
     records = train_records(work, "run")
     assert [m is not None for m in logged] == [True] * last, out[-3000:]
+    assert [m[5] is not None for m in logged] == [True] + [False] * (last - 1)  # the first line only
+    # The start-up breakdown counts from the process start (imports first); no third-party warnings.
+    assert re.search(r"^ > start-up \(seconds\): imports [\d.]+, validation [\d.]+, distributed [\d.]+, data [\d.]+, "
+                     r"model and engine [\d.]+; [\d.]+ in all before the first step$", out, re.M), out[:3000]
+    assert "UserWarning" not in out, out[:3000]
     assert [(int(m[1]), int(m[2]), m[3], m[4]) for m in logged] == [
         (i, 8 * i, f"{records[i]['lr']:.6E}", f"{records[i]['loss']:.6E}") for i in range(1, last + 1)]
     assert f"full configuration: {save}/config.yaml" in out and "Transformer Engine and Apex" not in out

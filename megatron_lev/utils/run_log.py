@@ -90,7 +90,8 @@ def quiet_deepspeed(logging_level: Optional[int]) -> Iterator[None]:
         if force:
             LOGGER.debug("deepspeed memory report skipped: %s", message)
 
-    patched = [module for name, module in list(sys.modules.items())
+    # A copy: other threads (Inductor's compile workers) may import while this runs.
+    patched = [module for name, module in sys.modules.copy().items()
                if name.startswith("deepspeed") and getattr(module, "see_memory_usage", None) is original]
     for module in patched:
         module.see_memory_usage = memory_usage_to_debug
