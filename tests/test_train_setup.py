@@ -288,7 +288,7 @@ def test_vocab_size_follows_the_tokenizer_unless_pinned(tmp_path):
     """Issue 25: as Megatron-LM, the tokenizer gives the vocabulary, padded to a multiple of
     --make-vocab-size-divisible-by x TP; a packaged config's vocab_size (tiny-lev: 1000) is only a
     default, a user's YAML that sets it keeps it, and one smaller than the tokenizer is refused."""
-    from megatron_lev.training.arguments import derive_vocab_size
+    from megatron_lev.training.tokenizer_args import derive_vocab_size
     from megatron_lev.training.validation import build_model_config
 
     args = args_for("--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "128")
@@ -330,7 +330,7 @@ def test_vocab_size_follows_the_tokenizer_unless_pinned(tmp_path):
 ])
 def test_vocab_padding_is_megatrons(vocab_size, divisible_by, tp, padded):
     from megatron_lev.models.config import pad_vocab_size
-    from megatron_lev.training.arguments import padded_vocab_line
+    from megatron_lev.training.tokenizer_args import padded_vocab_line
 
     assert pad_vocab_size(vocab_size, divisible_by, tp) == padded
     assert padded_vocab_line(vocab_size, padded) == (f" > padded vocab (size: {vocab_size}) with "

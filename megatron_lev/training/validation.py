@@ -27,8 +27,8 @@ from megatron_lev.checkpointing.universal import layout_changes, zero_stage
 from megatron_lev.data.datasets import max_token_id, plan_datasets, preprocessing_stats
 from megatron_lev.data.tokenizer import build_tokenizer
 from megatron_lev.models.config import LeviathanConfig, model_config_from_dict
-from megatron_lev.training.arguments import (derive_vocab_size, effective_config, padded_vocab_line, tokenizer_source,
-                                             validate_flags)
+from megatron_lev.training.arguments import effective_config, validate_flags
+from megatron_lev.training.tokenizer_args import derive_vocab_size, padded_vocab_line, tokenizer_source
 from megatron_lev.training.batches import dataset_arguments
 from megatron_lev.training.optim import schedule_mismatch
 from megatron_lev.utils.errors import ConfigError
