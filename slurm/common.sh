@@ -114,6 +114,24 @@ check_blend() {
 # values is refused (which one was meant cannot be known).
 MEGATRON_ALIASES=(CHECKPOINT_PATH:CHECKPOINT_DIR GLOBAL_BATCH_SIZE:GLOBAL_BATCH MICRO_BATCH_SIZE:MICRO_BATCH
     TENSORBOARD_LOGS_PATH:TENSORBOARD_DIR)
+# Megatron's tokenizer flags into TOKENIZER_FLAGS: GPT2BPETokenizer reads VOCAB_FILE and
+# MERGE_FILE (Megatron-LM's example scripts' names), every other type TOKENIZER_MODEL.
+tokenizer_flags() {
+    : "${TOKENIZER_TYPE:=SentencePieceTokenizer}"
+    if [[ $TOKENIZER_TYPE == GPT2BPETokenizer ]]; then
+        local var
+        for var in VOCAB_FILE MERGE_FILE; do
+            [[ -n ${!var:-} ]] || die "$var is not set: TOKENIZER_TYPE=GPT2BPETokenizer reads VOCAB_FILE=/path/gpt2-vocab.json and MERGE_FILE=/path/gpt2-merges.txt"
+            [[ -e ${!var} ]] || die "$var=${!var}: no such file or directory"
+        done
+        TOKENIZER_FLAGS=(--tokenizer-type "$TOKENIZER_TYPE" --vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE")
+    else
+        [[ -n ${TOKENIZER_MODEL:-} ]] || die "TOKENIZER_MODEL is not set: export TOKENIZER_MODEL=/path/to/tokenizer.model (or a Hugging Face tokenizer directory; GPT-2 BPE files: TOKENIZER_TYPE=GPT2BPETokenizer VOCAB_FILE=... MERGE_FILE=...)"
+        [[ -e $TOKENIZER_MODEL ]] || die "TOKENIZER_MODEL=$TOKENIZER_MODEL: no such file or directory"
+        TOKENIZER_FLAGS=(--tokenizer-type "$TOKENIZER_TYPE" --tokenizer-model "$TOKENIZER_MODEL")
+    fi
+}
+
 resolve_aliases() {
     local pair alias canonical
     for pair in "${MEGATRON_ALIASES[@]}"; do
@@ -299,8 +317,7 @@ build_commands() {
         ((${#test[@]} == 0)) || train_args+=(--test-data-path "${test[@]}")
     fi
     train_args+=(
-        --tokenizer-type "$TOKENIZER_TYPE"
-        --tokenizer-model "$TOKENIZER_MODEL"
+        "${TOKENIZER_FLAGS[@]}"
         --tensor-model-parallel-size "$TP"
         --pipeline-model-parallel-size "$PP"
         --micro-batch-size "$MICRO_BATCH"
@@ -419,8 +436,7 @@ launch_training() {
     setup_python_env
     [[ -n ${CONFIG:-} ]] || die "CONFIG is not set (the sbatch script sets it)"
     [[ -n ${DATA_PATH:-} ]] || die "DATA_PATH is not set: export DATA_PATH=\"PREFIX\" or a blend \"W1 PREFIX1 W2 PREFIX2\" (tools/make_blend.py prints one)"
-    [[ -n ${TOKENIZER_MODEL:-} ]] || die "TOKENIZER_MODEL is not set: export TOKENIZER_MODEL=/path/to/tokenizer.model (or a Hugging Face tokenizer directory)"
-    [[ -e $TOKENIZER_MODEL ]] || die "TOKENIZER_MODEL=$TOKENIZER_MODEL: no such file or directory"
+    tokenizer_flags
     check_blend DATA_PATH "$DATA_PATH"
     [[ -z ${VALID_DATA_PATH:-} ]] || check_blend VALID_DATA_PATH "$VALID_DATA_PATH"
     [[ -z ${TEST_DATA_PATH:-} ]] || check_blend TEST_DATA_PATH "$TEST_DATA_PATH"
@@ -432,7 +448,6 @@ launch_training() {
     : "${NODES:=${SLURM_JOB_NUM_NODES:-1}}"
     allocation_gpus
     : "${GPUS_PER_NODE:=${ALLOC_GPUS:-8}}"
-    : "${TOKENIZER_TYPE:=SentencePieceTokenizer}"
     : "${CHECKPOINT_DIR:=$MEGATRON_LEV_DIR/checkpoints/$CONFIG}"
     : "${TENSORBOARD_DIR:=$CHECKPOINT_DIR/tensorboard}"
     # ZeRO-2 overlaps the (fp32) gradient reduction with backward; PP > 1 needs ZeRO-1 (docs/slurm.md).

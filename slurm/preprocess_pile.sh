@@ -26,7 +26,8 @@
 #   export DATA_PATH="$(python tools/make_blend.py "$OUTPUT_DIR/train")"
 #   export VALID_DATA_PATH="$OUTPUT_DIR/val/pile_val_text_document"
 #
-# Variables: PILE_DIR, OUTPUT_DIR, TOKENIZER_MODEL (required); TOKENIZER_TYPE
+# Variables: PILE_DIR, OUTPUT_DIR, TOKENIZER_MODEL (required; or VOCAB_FILE and MERGE_FILE with
+# TOKENIZER_TYPE=GPT2BPETokenizer, Megatron's GPT-2 BPE files); TOKENIZER_TYPE
 # (SentencePieceTokenizer), WORKERS (the task's cores), EXTRA_ARGS (more flags for
 # preprocess_data.py, e.g. "--split-by-key meta.pile_set_name"), FORCE, DRY_RUN,
 # VENV, SITE_ENV (as for the training scripts).
@@ -79,8 +80,7 @@ preprocess_one() {
         --input "$input" \
         --output-prefix "$prefix" \
         --json-keys text \
-        --tokenizer-type "$TOKENIZER_TYPE" \
-        --tokenizer-model "$TOKENIZER_MODEL" \
+        "${TOKENIZER_FLAGS[@]}" \
         --append-eod \
         --workers "$WORKERS" \
         --log-interval 100000 \
@@ -90,9 +90,7 @@ preprocess_one() {
 setup_python_env
 [[ -n ${PILE_DIR:-} ]] || die "PILE_DIR is not set: the folder holding train/00.jsonl.zst .. train/29.jsonl.zst, val.jsonl.zst, test.jsonl.zst"
 [[ -n ${OUTPUT_DIR:-} ]] || die "OUTPUT_DIR is not set: where the indexed datasets go"
-[[ -n ${TOKENIZER_MODEL:-} ]] || die "TOKENIZER_MODEL is not set: export TOKENIZER_MODEL=/path/to/tokenizer.model"
-[[ -e $TOKENIZER_MODEL ]] || die "TOKENIZER_MODEL=$TOKENIZER_MODEL: no such file or directory"
-: "${TOKENIZER_TYPE:=SentencePieceTokenizer}"
+tokenizer_flags
 : "${WORKERS:=${SLURM_CPUS_PER_TASK:-$(nproc)}}"
 require_int WORKERS "$WORKERS" 1
 

@@ -19,7 +19,7 @@ SHIMS = Path(__file__).resolve().parent / "slurm_shims"
 # Knobs the scripts read; a developer's or CI's own values must not leak into the tests.
 SCRIPT_VARS = (
     "NODES GPUS_PER_NODE GPU_TYPE TP PP MICRO_BATCH GLOBAL_BATCH TRAIN_TOKENS TRAIN_ITERS CONFIG "
-    "DATA_PATH VALID_DATA_PATH TEST_DATA_PATH TOKENIZER_TYPE TOKENIZER_MODEL CHECKPOINT_DIR "
+    "DATA_PATH VALID_DATA_PATH TEST_DATA_PATH TOKENIZER_TYPE TOKENIZER_MODEL VOCAB_FILE MERGE_FILE CHECKPOINT_DIR "
     "SEQ_LENGTH TENSORBOARD_DIR DEEPSPEED_CONFIG SAVE_INTERVAL LOG_INTERVAL EXIT_INTERVAL BF16 EXTRA_ARGS DRY_RUN "
     "LOG_ROOT COMPILE_LAYERS CHECKPOINT_PATH GLOBAL_BATCH_SIZE MICRO_BATCH_SIZE TENSORBOARD_LOGS_PATH "
     "SITE_ENV VENV MAX_REQUEUES SHUTDOWN_TIMEOUT MASTER_ADDR MASTER_PORT MEGATRON_LEV_DIR "
@@ -198,6 +198,10 @@ def test_batch_arithmetic_for_every_node_count(tmp_path, fake_inputs):
     ({"TOKENIZER_MODEL": None}, "TOKENIZER_MODEL is not set"),
     ({"TOKENIZER_MODEL": "/nonexistent/tok.model"}, "TOKENIZER_MODEL=/nonexistent/tok.model: no such file"),
     ({"DATA_PATH": "0.5 {a} 0.5 /nonexistent/pile_07"}, "dataset prefix '/nonexistent/pile_07' has no"),
+    ({"TOKENIZER_TYPE": "GPT2BPETokenizer"}, "slurm: error: VOCAB_FILE is not set: TOKENIZER_TYPE=GPT2BPETokenizer "
+     "reads VOCAB_FILE=/path/gpt2-vocab.json and MERGE_FILE=/path/gpt2-merges.txt\n"),
+    ({"TOKENIZER_TYPE": "GPT2BPETokenizer", "VOCAB_FILE": "/nonexistent/v.json", "MERGE_FILE": "/nonexistent/m.txt"},
+     "VOCAB_FILE=/nonexistent/v.json: no such file or directory"),
     ({"TP": 3}, "TP=3 x PP=1 must divide the 8 GPUs"),
     ({"GPU_TYPE": "v100"}, "GPU_TYPE=v100: expected a100, h100 or h200"),
     ({"CONFIG": "lev-9b"}, "CONFIG=lev-9b: --config lev-9b: no such file, and not a packaged config"),
@@ -316,6 +320,30 @@ echo "REQUEUE=$REQUEUE TERMINATED=$TERMINATED"
     assert proc.stdout.splitlines()[-1] == "REQUEUE=1 TERMINATED=1"
     assert got.read_text().split() == ["USR1", "USR1"]
     assert scancels.read_text().splitlines() == ["scancel --signal=TERM 4242"] * 2
+
+
+def test_megatron_gpt2_bpe_files(tmp_path, fake_inputs):
+    """TOKENIZER_TYPE=GPT2BPETokenizer passes VOCAB_FILE and MERGE_FILE (Megatron-LM's names) to
+    the trainer and to preprocess_pile.sh, instead of --tokenizer-model."""
+    vocab, merges = tmp_path / "gpt2-vocab.json", tmp_path / "gpt2-merges.txt"
+    vocab.touch()
+    merges.touch()
+    gpt2 = {"TOKENIZER_TYPE": "GPT2BPETokenizer", "VOCAB_FILE": vocab, "MERGE_FILE": merges}
+    inputs = {k: v for k, v in fake_inputs.items() if k not in ("prefixes", "TOKENIZER_MODEL")}
+    proc = run_script("train_lev_1b.sh", DRY_RUN=1, **gpt2, **inputs)
+    assert proc.returncode == 0, proc.stderr
+    (cmd,) = [shlex.split(l) for l in proc.stdout.splitlines() if l.startswith("torchrun ")]
+    assert flag(cmd, "--tokenizer-type") == ["GPT2BPETokenizer"] and "--tokenizer-model" not in cmd
+    assert flag(cmd, "--vocab-file") == [str(vocab)] and flag(cmd, "--merge-file") == [str(merges)]
+    pile = tmp_path / "pile"
+    (pile / "train").mkdir(parents=True)
+    (pile / "train" / "00.jsonl.zst").touch()
+    proc = run_script("preprocess_pile.sh", PILE_DIR=pile, OUTPUT_DIR=tmp_path / "tok", DRY_RUN=1,
+                      SLURM_ARRAY_TASK_ID=0, **gpt2)
+    assert proc.returncode == 0, proc.stderr
+    (cmd,) = [shlex.split(l) for l in proc.stdout.splitlines()]
+    assert flag(cmd, "--vocab-file") == [str(vocab)] and flag(cmd, "--merge-file") == [str(merges)]
+    assert "--tokenizer-model" not in cmd
 
 
 def test_preprocess_pile_dry_run(tmp_path, fake_inputs):
