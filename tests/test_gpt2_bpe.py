@@ -10,6 +10,7 @@ import os
 import pytest
 
 from megatron_lev.data.tokenizer import GPT2BPETokenizer, build_tokenizer, tokenizer_sha256
+from tests.test_model import single_rank  # noqa: F401  (module-scoped fixture: one in-process rank)
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "gpt2_bpe")
 VOCAB, MERGES = os.path.join(DATA, "vocab.json"), os.path.join(DATA, "merges.txt")
@@ -107,27 +108,7 @@ def test_describe_hashes_both_files(gpt2, tmp_path):
     assert described["sha256"] == tokenizer_sha256(VOCAB, MERGES) != tokenizer_sha256(VOCAB, str(other))
 
 
-@pytest.fixture
-def single_rank():
-    """torch.distributed and megatron-core groups for one in-process rank (TP = PP = 1)."""
-    import torch.distributed as dist
-
-    from megatron_lev.distributed.launch import init_distributed
-    from megatron_lev.distributed.state import destroy_parallel, initialize_model_parallel
-
-    saved = {k: os.environ.pop(k, None) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    assert not dist.is_initialized()
-    init_distributed(backend="gloo")
-    initialize_model_parallel(1, 1)
-    yield
-    destroy_parallel()
-    for key, value in saved.items():
-        os.environ.pop(key, None)
-        if value is not None:
-            os.environ[key] = value
-
-
-def test_megatron_pile_recipe_preprocesses_and_sizes_the_model(tmp_path, recorded, capsys, single_rank):
+def test_megatron_pile_recipe_preprocesses_and_sizes_the_model(tmp_path, recorded, capsys, single_rank):  # noqa: F811
     """Megatron's flags end to end: preprocess_data.py with GPT2BPETokenizer (two workers) writes
     Megatron's ids + EOD; a tiny-lev run (packaged vocab_size 1000) on that data takes the
     tokenizer's 3000 tokens, padded to 3072 as Megatron logs it, and the model has 3072 rows."""
