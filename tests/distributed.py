@@ -11,6 +11,7 @@ launch should check several things.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -18,6 +19,33 @@ import traceback
 
 import torch
 import torch.multiprocessing as mp
+
+
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@contextlib.contextmanager
+def one_in_process_rank():
+    """torch.distributed and megatron-core groups for one in-process rank (TP = PP = 1). The
+    launcher variables init_distributed sets are removed again afterwards: later tests'
+    subprocesses inherit os.environ (a leaked WORLD_SIZE=1 made every srun task a rank 0)."""
+    import torch.distributed as dist
+
+    from megatron_lev.distributed.launch import init_distributed
+    from megatron_lev.distributed.state import destroy_parallel, initialize_model_parallel
+
+    saved = {k: os.environ.pop(k, None) for k in LAUNCH_VARIABLES}
+    assert not dist.is_initialized()
+    try:
+        init_distributed(backend="gloo")
+        initialize_model_parallel(1, 1)
+        yield
+    finally:
+        destroy_parallel()
+        for key, value in saved.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
 
 
 def free_port() -> int:

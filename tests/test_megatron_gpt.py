@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_lev.configs import load_config
 from megatron_lev.models.config import model_config_from_dict
-from tests.distributed import run_distributed
+from tests.distributed import one_in_process_rank, run_distributed
 from tests.mcore_cpu import causal_mask, copy_weights_to_gpt, patch_mcore_for_cpu
 
 VOCAB, BATCH, SEQ, ITERATION = 1024, 2, 16, 7  # 1024: no vocabulary padding at TP 1 or 2
@@ -140,20 +140,10 @@ def tp2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tp1():
     """One in-process rank (TP = 1) with the CPU stand-ins; the models of the TP=1 comparison."""
-    from megatron_lev.distributed.launch import init_distributed
-    from megatron_lev.distributed.state import destroy_parallel, initialize_model_parallel
-
-    saved = {k: os.environ.pop(k, None) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    with pytest.MonkeyPatch.context() as monkeypatch:
+    with pytest.MonkeyPatch.context() as monkeypatch, one_in_process_rank():
         patch_mcore_for_cpu(monkeypatch)
-        init_distributed(backend="gloo")
-        initialize_model_parallel(1, 1)
         config, ours, gpt = _models(1)
         yield {"config": config, "ours": ours, "gpt": gpt, "diffs": _compare(ours, gpt)}
-        destroy_parallel()
-    for key, value in saved.items():
-        if value is not None:
-            os.environ[key] = value
 
 
 def test_gpt_model_with_lev_equals_ours_tp1(tp1):

@@ -1,15 +1,13 @@
 """The Leviathan decoder: TP=2 equals TP=1, tied weights are one tensor, activation
 checkpointing changes no gradient, bf16 runs in float32 where it matters, parameter counts
 and the isoparametric planner are exact on built models, bad configs name their field."""
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_lev.configs import load_config
 from megatron_lev.models.config import model_config_from_dict
-from tests.distributed import run_distributed
+from tests.distributed import one_in_process_rank, run_distributed
 
 VOCAB, BATCH, SEQ = 1000, 2, 16
 TINY = load_config("tiny-lev")["model"]
@@ -25,21 +23,8 @@ def _data(seed=3):
 @pytest.fixture(scope="module")
 def single_rank():
     """torch.distributed and megatron-core groups for one in-process rank (TP = PP = 1)."""
-    from megatron_lev.distributed.launch import init_distributed
-    from megatron_lev.distributed.state import destroy_parallel, initialize_model_parallel
-
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    for key in saved:
-        os.environ.pop(key, None)
-    assert not dist.is_initialized()
-    init_distributed(backend="gloo")
-    initialize_model_parallel(1, 1)
-    yield
-    destroy_parallel()
-    for key, value in saved.items():
-        os.environ.pop(key, None)
-        if value is not None:
-            os.environ[key] = value
+    with one_in_process_rank():
+        yield
 
 
 # --------------------------------------------------------------------------- TP = 2 vs TP = 1

@@ -43,7 +43,10 @@ def input_embedding_statistics(embedding: torch.nn.Module, vocab_size: int) -> t
     device = next(embedding.parameters()).device
     # The plain forward ([b, s] ids -> [s, b, D]), also for the pipeline stage's subclasses.
     forward = ParallelLEVEmbedding.forward if isinstance(embedding, ParallelLEVEmbedding) else VocabEmbedding.forward
-    out = forward(embedding, ids.to(device).view(1, -1))
+    # Eager: compiling LEV's CPU mode product here would move its compile out of the first
+    # step, where the log reports it.
+    with torch.compiler.set_stance("force_eager"):
+        out = forward(embedding, ids.to(device).view(1, -1))
     if getattr(embedding, "sequence_parallel", False) and tp > 1:
         out = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False)
     rms, cosine = embedding_statistics(out.reshape(len(ids), -1).float())
