@@ -49,7 +49,7 @@ from megatron_lev.data.corpus import BAD_KINDS, BadCase, expand_inputs, iter_blo
 from megatron_lev.data.encode import (BlockResult, CompactIndexedDatasetBuilder, EncodeOptions, _init_worker,
                                       encode_block)
 from megatron_lev.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
-from megatron_lev.utils.flags import MegatronArgumentParser, add_compat_flags, warn_ignored
+from megatron_lev.utils.flags import MegatronArgumentParser, add_compat_flags, tokenizer_flags_error, warn_ignored
 
 
 class PreprocessError(RuntimeError):
@@ -381,15 +381,9 @@ PREPROCESS_REFUSED = {
 def tokenizer_flags(args: argparse.Namespace) -> tuple:
     """build_tokenizer's arguments from the flags (GPT2BPETokenizer: --vocab-file/--merge-file,
     the others --tokenizer-model), each checked for the type that needs it."""
-    if args.tokenizer_type == "GPT2BPETokenizer":
-        if args.tokenizer_model is not None:
-            raise PreprocessError("--tokenizer-type GPT2BPETokenizer takes --vocab-file and --merge-file, "
-                                  "not --tokenizer-model")
-    elif args.tokenizer_model is None:
-        raise PreprocessError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
-    elif args.vocab_file is not None or args.merge_file is not None:
-        raise PreprocessError(f"--vocab-file/--merge-file belong to --tokenizer-type GPT2BPETokenizer; "
-                              f"{args.tokenizer_type} takes --tokenizer-model only")
+    problem = tokenizer_flags_error(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
+    if problem:
+        raise PreprocessError(problem)
     return args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_lev.utils.errors import ConfigError
+from megatron_lev.utils.flags import tokenizer_flags_error
 
 
 def check_tokenizer_flags(args: argparse.Namespace) -> None:
@@ -16,18 +17,11 @@ def check_tokenizer_flags(args: argparse.Namespace) -> None:
     if args.tokenizer_type is None:
         raise ConfigError("--tokenizer-type is required (with --tokenizer-model, or --vocab-file and --merge-file "
                           "for GPT2BPETokenizer)")
-    if args.tokenizer_type == "GPT2BPETokenizer":
-        if args.vocab_file is None or args.merge_file is None:
-            raise ConfigError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
-        if args.tokenizer_model is not None:
-            raise ConfigError("--tokenizer-type GPT2BPETokenizer takes --vocab-file and --merge-file, not "
-                              "--tokenizer-model")
-    else:
-        if args.tokenizer_model is None:
-            raise ConfigError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
-        if args.vocab_file is not None or args.merge_file is not None:
-            raise ConfigError(f"--vocab-file/--merge-file belong to --tokenizer-type GPT2BPETokenizer; "
-                              f"{args.tokenizer_type} takes --tokenizer-model only")
+    if args.tokenizer_type == "GPT2BPETokenizer" and (args.vocab_file is None or args.merge_file is None):
+        raise ConfigError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+    problem = tokenizer_flags_error(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
+    if problem:
+        raise ConfigError(problem)
 
 
 def tokenizer_source(args: argparse.Namespace) -> str:

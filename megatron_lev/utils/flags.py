@@ -75,3 +75,18 @@ def warn_ignored(prog: str, flags, ignored: dict) -> None:
     if flags and int(os.environ.get("RANK", "0")) == 0:
         for flag in dict.fromkeys(flags):
             print(f"{prog}: warning: {flag} ignored: {ignored[flag][1]}", file=sys.stderr, flush=True)
+
+
+def tokenizer_flags_error(tokenizer_type: str, tokenizer_model, vocab_file, merge_file):
+    """The one-line problem with a combination of Megatron's tokenizer flags, or None:
+    GPT2BPETokenizer reads --vocab-file and --merge-file, every other type --tokenizer-model.
+    Shared by preprocessing and training, which raise it as their own error."""
+    if tokenizer_type == "GPT2BPETokenizer":
+        if tokenizer_model is not None:
+            return "--tokenizer-type GPT2BPETokenizer takes --vocab-file and --merge-file, not --tokenizer-model"
+    elif tokenizer_model is None:
+        return f"--tokenizer-type {tokenizer_type} needs --tokenizer-model"
+    elif vocab_file is not None or merge_file is not None:
+        return (f"--vocab-file/--merge-file belong to --tokenizer-type GPT2BPETokenizer; "
+                f"{tokenizer_type} takes --tokenizer-model only")
+    return None
