@@ -159,14 +159,14 @@ def data_settings(args, models: list[LoadedModel]) -> dict:
     tokenizer_model = args.tokenizer_model or (None if given else trained.get("tokenizer_model"))
     gpt2_files = {k: getattr(args, k) or (None if given else trained.get(k)) for k in ("vocab_file", "merge_file")}
     hf = next((m for m in models if m.kind == "hf"), None)
-    if tokenizer_type == "GPT2BPETokenizer":  # Megatron's GPT-2 BPE: --vocab-file and --merge-file
-        pass
-    elif tokenizer_model is None and hf is not None:
-        from megatron_lev.hf.export import check_hf_tokenizer
-
-        tokenizer_model = check_hf_tokenizer(hf.path, hf.vocab_size)
+    # Megatron's GPT-2 BPE reads --vocab-file and --merge-file; the other types a --tokenizer-model.
     if tokenizer_model is None and tokenizer_type != "GPT2BPETokenizer":
-        raise ValueError("--tokenizer-model is required (no checkpoint or HF folder names one)")
+        if hf is not None:
+            from megatron_lev.hf.export import check_hf_tokenizer
+
+            tokenizer_model = check_hf_tokenizer(hf.path, hf.vocab_size)
+        if tokenizer_model is None:
+            raise ValueError("--tokenizer-model is required (no checkpoint or HF folder names one)")
     if tokenizer_type is None:
         from megatron_lev.hf.export import infer_tokenizer_type
 

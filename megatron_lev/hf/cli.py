@@ -20,6 +20,18 @@ import sys
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # conversion runs on CPU
 
 
+def add_export_flags(p: argparse.ArgumentParser, *, tokenizer_type_help: str, tokenizer_model_help: str,
+                     tokenizer_model_required: bool = False) -> None:
+    """The Hugging Face folder's flags, shared by the commands that write one (save_hf_model)."""
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="weights' dtype (default: the checkpoint's)")
+    p.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                                                 "HuggingFaceTokenizer"), help=tokenizer_type_help)
+    p.add_argument("--tokenizer-model", required=tokenizer_model_required, help=tokenizer_model_help)
+    p.add_argument("--materialize-embeddings", action="store_true",
+                   help="lev models: write the generated V x D table, loadable as a standard LlamaForCausalLM")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+
+
 def to_hf_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="convert_to_hf.py",
@@ -27,14 +39,8 @@ def to_hf_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", required=True, help="the training run's --save directory")
     p.add_argument("--iteration", type=int, help="checkpoint to convert (default: the latest complete one)")
     p.add_argument("--output", required=True, help="Hugging Face folder to create (must not exist, or be empty)")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="weights' dtype (default: the checkpoint's)")
-    p.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                                                 "HuggingFaceTokenizer"),
-                   help="default: the checkpoint's, else guessed from --tokenizer-model")
-    p.add_argument("--tokenizer-model", help="default: the tokenizer the checkpoint was trained with")
-    p.add_argument("--materialize-embeddings", action="store_true",
-                   help="lev models: write the generated V x D table, loadable as a standard LlamaForCausalLM")
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    add_export_flags(p, tokenizer_type_help="default: the checkpoint's, else guessed from --tokenizer-model",
+                     tokenizer_model_help="default: the tokenizer the checkpoint was trained with")
     return p
 
 
@@ -63,14 +69,8 @@ def from_mcore_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML (or packaged config name) whose model: section describes the model "
                    "(default: LOAD/megatron_lev_model.yaml, written by megatron_lev's model provider)")
     p.add_argument("--output", required=True, help="Hugging Face folder to create (must not exist, or be empty)")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="weights' dtype (default: the checkpoint's)")
-    p.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                                                 "HuggingFaceTokenizer"),
-                   help="default: guessed from --tokenizer-model")
-    p.add_argument("--tokenizer-model", required=True, help="the tokenizer the model was trained with")
-    p.add_argument("--materialize-embeddings", action="store_true",
-                   help="write the generated V x D table, loadable as a standard LlamaForCausalLM")
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    add_export_flags(p, tokenizer_type_help="default: guessed from --tokenizer-model",
+                     tokenizer_model_help="the tokenizer the model was trained with", tokenizer_model_required=True)
     return p
 
 
