@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# The papers' two comparisons on one 2-core CPU machine, over several seeds (issue 17):
+# The papers' two comparisons on one 2-core CPU machine, over several seeds (issues 17, 23):
 #   v2 (iso-body):        LEV vs tied      (experiments/configs/exp-lev.yaml, exp-tied.yaml)
 #   v1 (isoparametric):   LEV-deeper vs untied (exp-lev-deeper.yaml: the planner's depth for exp-untied)
-# on Python's standard library (source, docstrings, pydoc topics) as Pile-format text, no download.
+#   the generator alone:  LEV vs untied (the same head), and exp-lev-init (both init options) beside LEV
+# each kind at its own learning rate (the configs', tuned with --sweep), on Python's standard
+# library (source, docstrings, pydoc topics) as Pile-format text, no download.
 #
 #   bash experiments/run.sh                          # everything into experiments/out (see README.md)
 #   bash experiments/run.sh --seeds "1 2 3" --steps 400 --lanes 2 --out /tmp/exp
 #   bash experiments/run.sh --train-only             # stop after training (the analysis re-runs later)
+#   bash experiments/run.sh --sweep                  # the learning-rate sweep (seed 1; --sweep-lrs "1e-3 2e-3 4e-3")
 #
-# Stages: corpus -> SentencePiece tokenizer -> indexed dataset -> 4 models x N seeds (one process
+# Stages: corpus -> SentencePiece tokenizer -> indexed dataset -> 5 models x N seeds (one process
 # each, --lanes at a time) -> per seed: megatron_lev.evaluate (both frequency stratifications) and
 # training curves -> megatron_lev.evaluation.seeds (mean +- std over seeds, plots with error bars).
 # Re-runnable: finished runs and stages whose output exists are reused; an interrupted run resumes.
@@ -19,10 +22,12 @@ py=${PYTHON:-$repo/.venv/bin/python}
 
 out=$repo/experiments/out
 seeds="1 2 3"
-steps=200
+steps=1200
 lanes=2
 eval_tokens=65536
 train_only=0
+sweep=0
+sweep_lrs="1e-3 2e-3 4e-3"
 while [[ $# -gt 0 ]]; do
     case $1 in
         --out) out=$2; shift 2 ;;
@@ -31,7 +36,9 @@ while [[ $# -gt 0 ]]; do
         --lanes) lanes=$2; shift 2 ;;
         --eval-tokens) eval_tokens=$2; shift 2 ;;
         --train-only) train_only=1; shift ;;
-        -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}"; exit 0 ;;
+        --sweep) sweep=1; shift ;;
+        --sweep-lrs) sweep_lrs=$2; shift 2 ;;
+        -h|--help) sed -n '2,20p' "${BASH_SOURCE[0]}"; exit 0 ;;
         *) echo "experiments/run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -47,11 +54,10 @@ tokenizer=$out/tokenizer/spm.model
 dataset=$out/data/stdlib_text_document
 cache=$out/cache
 split=95,5,0
-models=(tied lev untied lev-deeper)
-export CUDA_VISIBLE_DEVICES="" DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
-export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
+models=(tied untied lev lev-init lev-deeper)
+# shellcheck source=experiments/lib.sh
+source "$repo/experiments/lib.sh"
 mkdir -p "$out/data" "$out/tokenizer" "$out/runs" "$out/eval"
-banner() { printf '\n=== %s  (%s)\n' "$*" "$(date -u +%H:%M:%S)"; }
 
 # --- corpus (hashed document order: the contiguous valid split mixes code and prose), tokenizer, dataset
 if [[ ! -f $corpus ]]; then
@@ -71,41 +77,37 @@ if [[ ! -f $dataset.idx ]]; then
         --tokenizer-type SentencePieceTokenizer --tokenizer-model "$tokenizer" --append-eod --workers 2
 fi
 
+# --- the learning-rate sweep (--sweep): tied, untied and lev at each --sweep-lrs, seed 1, then stop.
+# The configs carry each kind's best (lev-init and lev-deeper take lev's: the same generator).
+common=(--data-path "$dataset" --split "$split" --data-cache-path "$cache"
+    --tokenizer-type SentencePieceTokenizer --tokenizer-model "$tokenizer")
+if [[ $sweep == 1 ]]; then
+    bash "$repo/experiments/lr_sweep.sh" --config-pattern "$configs/exp-{}.yaml" --kinds "tied untied lev" \
+        --lrs "$sweep_lrs" --seeds 1 --steps "$steps" --lanes "$lanes" --out "$out/sweep" -- "${common[@]}"
+    exit 0
+fi
+
 # --- training: every model x seed, one process each, $lanes at a time (seed by seed, so an
-# interrupted experiment leaves whole seeds)
-finished() {
-    local latest
-    latest=$(cat "$1/latest" 2>/dev/null) || return 1
-    [[ $latest =~ ^iter_0*([0-9]+)$ ]] && (( BASH_REMATCH[1] >= steps ))
+# interrupted experiment leaves whole seeds). A sweep run with the config's learning rate and
+# the same seed and steps is the same command: it is linked, not trained again.
+config_lr() {
+    "$py" -c 'import sys; from megatron_lev.configs import load_config
+print(load_config(sys.argv[1])["training"]["lr"])' "$configs/exp-$1.yaml"
 }
 train_one() {  # MODEL SEED
-    local model=$1 seed=$2 run=$out/runs/$1-s$2
-    finished "$run" && return 0
-    mkdir -p "$run"
-    # Another instance of this script (another --seeds, more lanes) may be training this run:
-    # its trainer's pid is in .train.pid; skip the run while that process lives.
-    local owner
-    owner=$(cat "$run/.train.pid" 2>/dev/null || true)
-    if [[ -n $owner ]] && kill -0 "$owner" 2>/dev/null; then
-        banner "skip $model seed $seed: being trained by process $owner"
-        return 0
+    local model=$1 seed=$2 run=$out/runs/$1-s$2 lr swept
+    if [[ ! -e $run ]]; then
+        lr=$(config_lr "$model")
+        for swept in "$out/sweep/$model"-lr*-s"$seed"; do
+            [[ $swept =~ -lr([0-9.e-]+)-s[0-9]+$ ]] || continue
+            if awk -v a="${BASH_REMATCH[1]}" -v b="$lr" 'BEGIN { exit !(a == b) }' && finished "$swept" "$steps"; then
+                ln -s "../sweep/${swept##*/}" "$run"
+                banner "$model seed $seed: the sweep's run at lr $lr -> $run"
+                break
+            fi
+        done
     fi
-    local cmd=("$py" -m megatron_lev.train --config "$configs/exp-$model.yaml" --seed "$seed"
-        --data-path "$dataset" --split "$split" --data-cache-path "$cache"
-        --tokenizer-type SentencePieceTokenizer --tokenizer-model "$tokenizer"
-        --train-iters "$steps" --save "$run" --load "$run" --save-interval 100 --keep-last-checkpoints 1
-        --eval-interval 20 --eval-iters 4 --log-interval 20)
-    echo "${cmd[*]}" >> "$run/train.log"
-    banner "train $model seed $seed -> $run"
-    "${cmd[@]}" >> "$run/train.log" 2>&1 &
-    local trainer=$!
-    echo "$trainer" > "$run/.train.pid"
-    if ! wait "$trainer"; then
-        echo "experiments/run.sh: training $model seed $seed failed; the end of $run/train.log:" >&2
-        tail -n 20 "$run/train.log" >&2
-        return 1
-    fi
-    banner "done $model seed $seed: $(grep -h 'training done' "$run/train.log" | tail -n 1)"
+    train_run "$model seed $seed" "$run" "$steps" --config "$configs/exp-$model.yaml" --seed "$seed" "${common[@]}"
 }
 failed=0
 for seed in $seeds; do
@@ -130,11 +132,13 @@ for seed in $seeds; do
             --data-path "$dataset" --split "$split" --eval-split valid --seed 1234 --eval-tokens "$eval_tokens" \
             --freq-dataset "$dataset" --buckets quantile:5 --buckets types:5 --buckets log:10 --output-dir "$eval_dir/ppl" --device cpu
     fi
-    for pair in tied:lev untied:lev-deeper; do
-        base=${pair%%:*} other=${pair##*:}
-        if [[ ! -f $eval_dir/curves-$other/curves.json ]]; then
-            "$py" -m megatron_lev.evaluation.curves --run "$base=$out/runs/$base-s$seed" \
-                --run "$other=$out/runs/$other-s$seed" --baseline "$base" --output-dir "$eval_dir/curves-$other"
+    # Curves against each baseline: tokens to its final validation loss, and the loss difference's trend.
+    for group in "tied:untied lev lev-init" "untied:lev lev-init lev-deeper"; do
+        base=${group%%:*}
+        if [[ ! -f $eval_dir/curves-vs-$base/curves.json ]]; then
+            run_args=(--run "$base=$out/runs/$base-s$seed")
+            for other in ${group#*:}; do run_args+=(--run "$other=$out/runs/$other-s$seed"); done
+            "$py" -m megatron_lev.evaluation.curves "${run_args[@]}" --baseline "$base" --output-dir "$eval_dir/curves-vs-$base"
         fi
     done
 done
@@ -143,5 +147,6 @@ done
 banner "seeds summary -> $out/eval/seeds"
 seed_args=()
 for seed in $seeds; do seed_args+=(--seed-dir "$seed=$out/eval/s$seed"); done
-"$py" -m megatron_lev.evaluation.seeds "${seed_args[@]}" --pair lev:tied --pair lev-deeper:untied --pair untied:tied \
+"$py" -m megatron_lev.evaluation.seeds "${seed_args[@]}" --pair lev:tied --pair lev-init:tied --pair lev:untied \
+    --pair lev-init:untied --pair lev-deeper:untied --pair untied:tied --pair lev-init:lev \
     --output-dir "$out/eval/seeds"

@@ -5,6 +5,7 @@ step-0 validation loss, text generation from the Hugging Face export, and the su
     python -m megatron_lev.demo valid-loss --run lev=demo/runs/lev --run tied=demo/runs/tied \
         --output demo/eval/valid_loss.json
     python -m megatron_lev.demo generate --hf demo/hf/lev --load demo/runs/lev --output demo/generation.json
+    python -m megatron_lev.demo seeds --out demo                 # lev vs tied over the seeds trained (--publish)
     python -m megatron_lev.demo summary --out demo
 
 Everything else the demo runs is the project's own command line (corpus, tokenizer,
@@ -45,6 +46,9 @@ class Layout:
     hf_lev: str  # Hugging Face export of the LEV run
     generation: str  # generated text (transformers) and the check against our own decoding
     timings: str  # seconds per stage, appended by quickstart.sh
+    seed_runs: str  # --publish: lev-sN / tied-sN, the demo's two runs at more seeds
+    seed_timings: str  # seconds per seed run (not part of the demo's own wall time)
+    seeds: str  # lev vs tied over every seed trained
     summary_json: str
     summary_md: str
 
@@ -60,7 +64,8 @@ class Layout:
                    data_cache=p("cache"), run_lev=p("runs", "lev"), run_tied=p("runs", "tied"),
                    valid_loss=p("eval", "valid_loss.json"), eval_ppl=p("eval", "ppl"),
                    eval_curves=p("eval", "curves"), hf_lev=p("hf", "lev"), generation=p("generation.json"),
-                   timings=p("timings.tsv"), summary_json=p("summary.json"), summary_md=p("summary.md"))
+                   timings=p("timings.tsv"), seed_runs=p("seeds"), seed_timings=p("timings-seeds.tsv"),
+                   seeds=p("eval", "seeds.json"), summary_json=p("summary.json"), summary_md=p("summary.md"))
 
     def shell(self) -> str:
         return "\n".join(f"{f.name}={shlex.quote(getattr(self, f.name))}" for f in fields(self))
@@ -330,6 +335,21 @@ def build_summary(layout: Layout) -> tuple[dict, str]:
     return summary, "\n".join(lines) + "\n"
 
 
+# --------------------------------------------------------------------------- seeds
+
+
+def seed_comparison(layout: Layout) -> dict:
+    """lev vs tied at every seed the demo trained: its own two runs and layout.seed_runs'
+    lev-sN / tied-sN (megatron_lev.evaluation.seeds.final_loss_by_seed)."""
+    from megatron_lev.evaluation.seeds import final_loss_by_seed
+
+    pairs = [(layout.run_lev, layout.run_tied)]
+    if os.path.isdir(layout.seed_runs):
+        pairs += [(os.path.join(layout.seed_runs, name), os.path.join(layout.seed_runs, "tied-" + name[len("lev-"):]))
+                  for name in sorted(os.listdir(layout.seed_runs)) if name.startswith("lev-s")]
+    return final_loss_by_seed(pairs, "lev", "tied")
+
+
 # --------------------------------------------------------------------------- published results
 
 
@@ -374,6 +394,9 @@ def demo_results(layout: Layout) -> dict:
         "target_loss": curves["target_loss"],
         "wall_minutes": round(sum(t["seconds"] for t in timings) / 60, 1),
         "stages": timings,
+        # --publish: lev vs tied over 3 seeds (the runs above are the first), and their training time
+        "seeds": _read_json(layout.seeds),
+        "seed_runs_minutes": round(sum(t["seconds"] for t in _timings(layout.seed_timings)) / 60, 1),
     }
 
 
@@ -384,6 +407,12 @@ def readme_figures(results: dict) -> list[str]:
     figures.append(f"{results['perplexity']['relative_change_pct']['lev']:+.1f}%")
     figures.append(f"{results['tokens_to_baseline_final']['lev']['speedup']:.2f}x")
     figures += [f"{results['perplexity']['values'][name]:.1f}" for name in ("lev", "tied")]
+    seeds = results.get("seeds")
+    if seeds:
+        difference, change = seeds["difference"], seeds["ppl_change_pct"]
+        figures.append(f"{difference['mean']:+.4f} ± {difference['std']:.4f}")
+        figures.append(f"{change['mean']:+.1f}% ± {change['std']:.1f}%")
+        figures.append(f"p = {seeds['paired_t_test']['p']:.3f}")
     return figures
 
 
@@ -408,6 +437,14 @@ def publish(layout: Layout, docs: str) -> dict:
               f"Written by `bash tools/quickstart.sh --publish` (commit {results['commit']}, {results['date']}, "
               f"{results['wall_minutes']} minutes wall time on this machine); README.md quotes "
               f"`demo_results.json`.", ""]
+    if results["seeds"]:
+        from megatron_lev.evaluation.seeds import final_loss_markdown
+
+        seeds = results["seeds"]
+        header += [f"**lev vs tied over {len(seeds['per_seed'])} seeds** (seeds {', '.join(seeds['per_seed'])}: the "
+                   f"demo's runs below, then the same two runs at the other seeds, {results['seed_runs_minutes']} "
+                   "minutes; final validation loss on each seed's validation batches)", "",
+                   final_loss_markdown(seeds)]
     write_text_atomic(os.path.join(docs, "demo_results.md"),
                       "\n".join(header) + body.replace("# megatron_lev demo\n", "", 1).rstrip() + "\n")
     write_json_atomic(os.path.join(docs, "demo_results.json"), results)
@@ -440,6 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trust-remote-code", action="store_true",
                    help="run the folder's Python code even when it is not byte-identical to ours")
     s.add_argument("--output", required=True)
+    s = sub.add_parser("seeds", help="lev vs tied over every seed the demo trained -> eval/seeds.json")
+    s.add_argument("--out", required=True)
     s = sub.add_parser("summary", help="print (and write) what the demo produced and where")
     s.add_argument("--out", required=True)
     s = sub.add_parser("publish", help="write docs/demo_results.{json,md} and the plots from a finished demo")
@@ -469,6 +508,19 @@ def main(argv=None) -> int:
         if stale:
             print(f"{args.readme} does not quote these published figures yet (tests/test_readme.py fails until "
                   f"it does): {', '.join(stale)}")
+        return 0
+    if args.command == "seeds":
+        from megatron_lev.evaluation.seeds import final_loss_markdown
+        from megatron_lev.utils.files import write_json_atomic
+
+        layout = Layout.under(args.out)
+        try:
+            seeds = seed_comparison(layout)
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"megatron_lev.demo seeds: error: {exc}", file=sys.stderr)
+            return 2
+        write_json_atomic(layout.seeds, seeds)
+        print(final_loss_markdown(seeds), end="")
         return 0
     if args.command == "summary":
         from megatron_lev.utils.files import write_json_atomic, write_text_atomic

@@ -213,3 +213,43 @@ def test_experiment_script_refuses_bad_flags_in_one_line(tmp_path, args, message
     assert proc.returncode == 2 and proc.stderr.strip() == f"experiments/run.sh: {message}" + (
         " (see --help)" if "unknown" in message else "")
     assert not (tmp_path / "out").exists()  # nothing built before the flags are checked
+
+
+def _training_run(path, seed, valid_losses):
+    """A --save folder as far as final_loss_by_seed reads it: config.yaml and metrics.jsonl."""
+    os.makedirs(path)
+    with open(os.path.join(path, "config.yaml"), "w") as f:
+        f.write(f"config: demo-lev\ntraining:\n  seed: {seed}\n")
+    _write(os.path.join(path, "metrics.jsonl"),
+           [{"iteration": 50 * (i + 1), "consumed_tokens": 1000 * (i + 1), "valid_loss": v}
+            for i, v in enumerate(valid_losses)])
+    return str(path)
+
+
+def test_demo_seeds_pair_final_losses_with_a_paired_t_test(tmp_path):
+    """`python -m megatron_lev.demo seeds`: lev vs tied per seed from the runs' last logged
+    validation loss, mean +- std over seeds and the paired t-test, from the demo's layout."""
+    from scipy import stats
+
+    from megatron_lev import demo
+
+    layout = demo.Layout.under(str(tmp_path / "demo"))
+    finals = {1234: (5.0, 5.3), 1: (5.1, 5.2), 2: (4.9, 5.35)}  # seed: (lev, tied)
+    _training_run(layout.run_lev, 1234, [6.0, 5.0])
+    _training_run(layout.run_tied, 1234, [6.0, 5.3])
+    for seed in (1, 2):
+        _training_run(os.path.join(layout.seed_runs, f"lev-s{seed}"), seed, [6.0, finals[seed][0]])
+        _training_run(os.path.join(layout.seed_runs, f"tied-s{seed}"), seed, [6.0, finals[seed][1]])
+    assert demo.main(["seeds", "--out", layout.out]) == 0
+    result = json.load(open(layout.seeds))
+    differences = [finals[s][0] - finals[s][1] for s in (1234, 1, 2)]
+    assert list(result["per_seed"]) == ["1234", "1", "2"]
+    assert [r["difference"] for r in result["per_seed"].values()] == pytest.approx(differences, abs=1e-12)
+    assert result["difference"]["mean"] == pytest.approx(np.mean(differences))
+    assert result["difference"]["std"] == pytest.approx(np.std(differences, ddof=1))
+    assert result["per_seed"]["1"]["ppl_change_pct"] == pytest.approx(100 * (math.exp(-0.1) - 1))
+    assert result["paired_t_test"]["p"] == pytest.approx(stats.ttest_1samp(differences, 0.0).pvalue)
+    # a pair whose runs have different seeds is refused
+    _training_run(os.path.join(layout.seed_runs, "lev-s3"), 3, [5.0])
+    _training_run(os.path.join(layout.seed_runs, "tied-s3"), 4, [5.0])
+    assert demo.main(["seeds", "--out", layout.out]) == 2

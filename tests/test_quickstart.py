@@ -221,6 +221,10 @@ def test_default_demo_publishes_only_when_asked(tmp_path):
     out = tmp_path / "demo"
     assert commands[-1] == (f"-m megatron_lev.demo publish --out {out} --docs {REPO}/docs "
                             f"--readme {REPO}/README.md")
+    assert commands[-2] == f"-m megatron_lev.demo seeds --out {out}"
+    seed_runs = [c for c in commands if "-m megatron_lev.train" in c and f"{out}/seeds/" in c]
+    assert [(c.split("--config ")[1].split()[0], c.split("--seed ")[1].split()[0]) for c in seed_runs] == [
+        ("demo-lev", "1"), ("demo-tied", "1"), ("demo-lev", "2"), ("demo-tied", "2")]
     proc, commands = recorded_quickstart(tmp_path, "--publish", "--quick")
     assert proc.returncode == 2 and commands == []
     assert proc.stderr.strip() == ("quickstart.sh: --publish publishes the default demo only: drop --input, --steps "

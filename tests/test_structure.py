@@ -146,7 +146,9 @@ def long_files(root: str, folders=(PACKAGE, "tests", "tools", "benchmarks", "exp
     found = []
     for top in folders:
         for folder, dirs, files in os.walk(os.path.join(root, top)):
-            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            # experiments/out: run outputs (git-ignored), e.g. DeepSpeed's zero_to_fp32.py in checkpoints
+            dirs[:] = [d for d in dirs if d != "__pycache__" and os.path.join(folder, d) != os.path.join(
+                root, "experiments", "out")]
             for name in files:
                 if name.endswith(".py"):
                     path = os.path.join(folder, name)

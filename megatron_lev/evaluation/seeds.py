@@ -198,6 +198,61 @@ def _p_value(stat: dict) -> str:
     return "n/a" if test["p"] is None else f"t = {test['t']:+.2f}, p = {test['p']:.3f} (n={test['n']})"
 
 
+def run_seed_and_final_loss(run_dir: str) -> tuple[int, float]:
+    """(seed, the trainer's last logged validation loss) of one training run (--save folder)."""
+    import yaml
+
+    config_file = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"{config_file}: no such file (is {run_dir} a training run's --save folder?)")
+    with open(config_file, encoding="utf-8") as f:
+        seed = int(yaml.safe_load(f)["training"]["seed"])
+    return seed, float(read_curve(run_dir).loss[-1])
+
+
+def final_loss_by_seed(pairs: list[tuple[str, str]], model: str, baseline: str) -> dict:
+    """MODEL vs BASELINE from (model run, baseline run) pairs, one pair per seed: each run's
+    final validation loss (the trainer's, on that seed's validation batches), the per-seed
+    difference MODEL - BASELINE and perplexity change, their mean +- std over seeds and a
+    paired t-test of the differences."""
+    per_seed = {}
+    for model_run, baseline_run in pairs:
+        (seed, loss), (baseline_seed, baseline_loss) = run_seed_and_final_loss(model_run), \
+            run_seed_and_final_loss(baseline_run)
+        if seed != baseline_seed:
+            raise ValueError(f"{model_run} (seed {seed}) and {baseline_run} (seed {baseline_seed}) are not a pair")
+        if str(seed) in per_seed:
+            raise ValueError(f"{model_run}: seed {seed} appears twice")
+        per_seed[str(seed)] = {model: loss, baseline: baseline_loss, "difference": loss - baseline_loss,
+                               "ppl_change_pct": 100 * math.expm1(loss - baseline_loss)}
+    columns = {key: {s: r[key] for s, r in per_seed.items()} for key in (model, baseline, "difference",
+                                                                         "ppl_change_pct")}
+    return {"model": model, "baseline": baseline, "per_seed": per_seed,
+            **{key: mean_std(values.values()) for key, values in columns.items()},
+            "paired_t_test": paired_t_test(columns["difference"])}
+
+
+def final_loss_markdown(result: dict) -> str:
+    """final_loss_by_seed's table: one row per seed, then mean +- std, then the t-test."""
+    model, baseline = result["model"], result["baseline"]
+
+    def cell(stat, digits=4, sign=""):
+        std = "" if stat["std"] is None else f" ± {stat['std']:.{digits}f}"
+        return f"{stat['mean']:{sign}.{digits}f}{std}"
+
+    lines = [f"| seed | {model} | {baseline} | {model} - {baseline} (nats) | perplexity change |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {s} | {r[model]:.4f} | {r[baseline]:.4f} | {r['difference']:+.4f} | {r['ppl_change_pct']:+.1f}% |"
+              for s, r in result["per_seed"].items()]
+    lines.append(f"| mean ± std | {cell(result[model])} | {cell(result[baseline])} | "
+                 f"{cell(result['difference'], 4, '+')} | {cell(result['ppl_change_pct'], 1, '+')}% |")
+    test = result["paired_t_test"]
+    if test["p"] is not None:
+        lines += ["", f"Paired t-test of {model} - {baseline} over seeds: t = {test['t']:+.2f}, p = {test['p']:.3f} "
+                      f"(n = {test['n']})."]
+    return "\n".join(lines) + "\n"
+
+
 def summary_markdown(pairs: list[dict]) -> str:
     lines = []
     for p in pairs:

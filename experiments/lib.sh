@@ -1,0 +1,48 @@
+# shellcheck shell=bash
+# Shared by experiments/run.sh and experiments/lr_sweep.sh (sourced): train one run in one
+# process, resumably, and tell whether it finished. The caller sets py (the interpreter).
+
+banner() { printf '\n=== %s  (%s)\n' "$*" "$(date -u +%H:%M:%S)"; }
+
+# finished RUN STEPS: RUN's newest complete checkpoint is at iteration >= STEPS.
+finished() {
+    local latest
+    latest=$(cat "$1/latest" 2>/dev/null) || return 1
+    [[ $latest =~ ^iter_0*([0-9]+)$ ]] && (( BASH_REMATCH[1] >= $2 ))
+}
+
+# train_run NAME RUN STEPS TRAIN_ARGS...: `python -m megatron_lev.train TRAIN_ARGS --train-iters
+# STEPS --save RUN --load RUN` into RUN/train.log, unless RUN finished (an interrupted run resumes).
+# Validation every 50 steps on 8 batches, a checkpoint every 400 (the last one kept).
+train_run() {
+    local name=$1 run=$2 steps=$3
+    shift 3
+    finished "$run" "$steps" && return 0
+    mkdir -p "$run"
+    # Another instance of the script may be training this run: its trainer's pid is in
+    # .train.pid; skip the run while that process lives.
+    local owner
+    owner=$(cat "$run/.train.pid" 2>/dev/null || true)
+    if [[ -n $owner ]] && kill -0 "$owner" 2>/dev/null; then
+        banner "skip $name: being trained by process $owner"
+        return 0
+    fi
+    local cmd=("$py" -m megatron_lev.train "$@"
+        --train-iters "$steps" --save "$run" --load "$run" --save-interval 400 --keep-last-checkpoints 1
+        --eval-interval 50 --eval-iters 8 --log-interval 50)
+    echo "${cmd[*]}" >> "$run/train.log"
+    banner "train $name -> $run"
+    "${cmd[@]}" >> "$run/train.log" 2>&1 &
+    local trainer=$!
+    echo "$trainer" > "$run/.train.pid"
+    if ! wait "$trainer"; then
+        echo "${BASH_SOURCE[1]##*/}: training $name failed; the end of $run/train.log:" >&2
+        tail -n 20 "$run/train.log" >&2
+        return 1
+    fi
+    banner "done $name: $(grep -h 'training done' "$run/train.log" | tail -n 1)"
+}
+
+# The runs are on CPU, one thread per process.
+export CUDA_VISIBLE_DEVICES="" DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
+export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
