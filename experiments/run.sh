@@ -9,6 +9,7 @@
 #   bash experiments/run.sh                          # everything into experiments/out (see README.md)
 #   bash experiments/run.sh --seeds "1 2 3" --steps 400 --lanes 2 --out /tmp/exp
 #   bash experiments/run.sh --train-only             # stop after training (the analysis re-runs later)
+#   bash experiments/run.sh --models "lev lev-init"  # train only these (implies --train-only)
 #   bash experiments/run.sh --sweep                  # the learning-rate sweep (seed 1; --sweep-lrs "1e-3 2e-3 4e-3")
 #
 # Stages: corpus -> SentencePiece tokenizer -> indexed dataset -> 5 models x N seeds (one process
@@ -28,6 +29,7 @@ eval_tokens=65536
 train_only=0
 sweep=0
 sweep_lrs="1e-3 2e-3 4e-3"
+only_models=""
 while [[ $# -gt 0 ]]; do
     case $1 in
         --out) out=$2; shift 2 ;;
@@ -36,6 +38,7 @@ while [[ $# -gt 0 ]]; do
         --lanes) lanes=$2; shift 2 ;;
         --eval-tokens) eval_tokens=$2; shift 2 ;;
         --train-only) train_only=1; shift ;;
+        --models) only_models=$2; train_only=1; shift 2 ;;
         --sweep) sweep=1; shift ;;
         --sweep-lrs) sweep_lrs=$2; shift 2 ;;
         -h|--help) sed -n '2,20p' "${BASH_SOURCE[0]}"; exit 0 ;;
@@ -55,6 +58,13 @@ dataset=$out/data/stdlib_text_document
 cache=$out/cache
 split=95,5,0
 models=(tied untied lev lev-init lev-deeper)
+if [[ -n $only_models ]]; then
+    for model in $only_models; do
+        [[ " ${models[*]} " == *" $model "* ]] \
+            || { echo "experiments/run.sh: --models: no model '$model' (one of: ${models[*]})" >&2; exit 2; }
+    done
+    read -r -a models <<< "$only_models"
+fi
 # shellcheck source=experiments/lib.sh
 source "$repo/experiments/lib.sh"
 mkdir -p "$out/data" "$out/tokenizer" "$out/runs" "$out/eval"

@@ -204,6 +204,7 @@ def test_cluster_plan_gpu_hours_from_the_flops_model():
     (["--lanes", "two"], "--lanes needs a positive integer, got 'two'"),
     (["--seeds", "1 x"], "--seeds needs integers, got 'x'"),
     (["--frobnicate"], "unknown argument '--frobnicate'"),
+    (["--models", "lev levv"], "--models: no model 'levv' (one of: tied untied lev lev-init lev-deeper)"),
 ])
 def test_experiment_script_refuses_bad_flags_in_one_line(tmp_path, args, message):
     import subprocess
