@@ -13,7 +13,9 @@ def test_readme_quotes_docs_demo_results():
     with open(os.path.join(REPO, "docs", "demo_results.json"), encoding="utf-8") as f:
         results = json.load(f)
     readme = os.path.join(REPO, "README.md")
-    assert len(readme_figures(results)) == 8  # 4 losses, the ppl change, the speed-up, 2 ppl
+    # 4 losses, the ppl change, the speed-up, 2 ppl; over 3 seeds the loss difference and the ppl
+    # change (mean ± std) and the t-test's p
+    assert len(results["seeds"]["per_seed"]) == 3 and len(readme_figures(results)) == 11
     missing = unquoted_figures(results, readme)
     assert not missing, f"README.md does not quote docs/demo_results.json: {missing}"
     with open(readme, encoding="utf-8") as f:
