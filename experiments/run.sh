@@ -9,8 +9,9 @@
 #   bash experiments/run.sh                          # everything into experiments/out (see README.md)
 #   bash experiments/run.sh --seeds "1 2 3" --steps 400 --lanes 2 --out /tmp/exp
 #   bash experiments/run.sh --train-only             # stop after training (the analysis re-runs later)
-#   bash experiments/run.sh --models "lev lev-init"  # train only these (implies --train-only)
+#   bash experiments/run.sh --models "tied lev"      # only these models, and the pairs among them
 #   bash experiments/run.sh --sweep                  # the learning-rate sweep (seed 1; --sweep-lrs "1e-3 2e-3 4e-3")
+#   bash experiments/run.sh --sweep --sweep-lrs 8e-3 --models "tied untied"   # one more point for two kinds
 #
 # Stages: corpus -> SentencePiece tokenizer -> indexed dataset -> 5 models x N seeds (one process
 # each, --lanes at a time) -> per seed: megatron_lev.evaluate (both frequency stratifications) and
@@ -38,7 +39,7 @@ while [[ $# -gt 0 ]]; do
         --lanes) lanes=$2; shift 2 ;;
         --eval-tokens) eval_tokens=$2; shift 2 ;;
         --train-only) train_only=1; shift ;;
-        --models) only_models=$2; train_only=1; shift 2 ;;
+        --models) only_models=$2; shift 2 ;;
         --sweep) sweep=1; shift ;;
         --sweep-lrs) sweep_lrs=$2; shift 2 ;;
         -h|--help) sed -n '2,20p' "${BASH_SOURCE[0]}"; exit 0 ;;
@@ -65,6 +66,7 @@ if [[ -n $only_models ]]; then
     done
     read -r -a models <<< "$only_models"
 fi
+has_model() { [[ " ${models[*]} " == *" $1 "* ]]; }
 # shellcheck source=experiments/lib.sh
 source "$repo/experiments/lib.sh"
 mkdir -p "$out/data" "$out/tokenizer" "$out/runs" "$out/eval"
@@ -87,12 +89,15 @@ if [[ ! -f $dataset.idx ]]; then
         --tokenizer-type SentencePieceTokenizer --tokenizer-model "$tokenizer" --append-eod --workers 2
 fi
 
-# --- the learning-rate sweep (--sweep): tied, untied and lev at each --sweep-lrs, seed 1, then stop.
+# --- the learning-rate sweep (--sweep): tied, untied and lev (or --models) at each --sweep-lrs, seed 1,
+# then the table of every run in $out/sweep, and stop.
 # The configs carry each kind's best (lev-init and lev-deeper take lev's: the same generator).
 common=(--data-path "$dataset" --split "$split" --data-cache-path "$cache"
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$tokenizer")
 if [[ $sweep == 1 ]]; then
-    bash "$repo/experiments/lr_sweep.sh" --config-pattern "$configs/exp-{}.yaml" --kinds "tied untied lev" \
+    kinds="tied untied lev"
+    [[ -z $only_models ]] || kinds="${models[*]}"
+    bash "$repo/experiments/lr_sweep.sh" --config-pattern "$configs/exp-{}.yaml" --kinds "$kinds" \
         --lrs "$sweep_lrs" --seeds 1 --steps "$steps" --lanes "$lanes" --out "$out/sweep" -- "${common[@]}"
     exit 0
 fi
@@ -138,16 +143,19 @@ for seed in $seeds; do
         banner "evaluate seed $seed -> $eval_dir/ppl"
         model_args=()
         for model in "${models[@]}"; do model_args+=(--model "$model=$out/runs/$model-s$seed"); done
-        "$py" -m megatron_lev.evaluate "${model_args[@]}" --baseline tied \
+        "$py" -m megatron_lev.evaluate "${model_args[@]}" --baseline "${models[0]}" \
             --data-path "$dataset" --split "$split" --eval-split valid --seed 1234 --eval-tokens "$eval_tokens" \
             --freq-dataset "$dataset" --buckets quantile:5 --buckets types:5 --buckets log:10 --output-dir "$eval_dir/ppl" --device cpu
     fi
     # Curves against each baseline: tokens to its final validation loss, and the loss difference's trend.
     for group in "tied:untied lev lev-init" "untied:lev lev-init lev-deeper"; do
         base=${group%%:*}
+        has_model "$base" || continue
         if [[ ! -f $eval_dir/curves-vs-$base/curves.json ]]; then
             run_args=(--run "$base=$out/runs/$base-s$seed")
-            for other in ${group#*:}; do run_args+=(--run "$other=$out/runs/$other-s$seed"); done
+            for other in ${group#*:}; do
+                has_model "$other" && run_args+=(--run "$other=$out/runs/$other-s$seed")
+            done
             "$py" -m megatron_lev.evaluation.curves "${run_args[@]}" --baseline "$base" --output-dir "$eval_dir/curves-vs-$base"
         fi
     done
@@ -157,6 +165,9 @@ done
 banner "seeds summary -> $out/eval/seeds"
 seed_args=()
 for seed in $seeds; do seed_args+=(--seed-dir "$seed=$out/eval/s$seed"); done
-"$py" -m megatron_lev.evaluation.seeds "${seed_args[@]}" --pair lev:tied --pair lev-init:tied --pair lev:untied \
-    --pair lev-init:untied --pair lev-deeper:untied --pair untied:tied --pair lev-init:lev \
+pair_args=()
+for pair in lev:tied lev-init:tied lev:untied lev-init:untied lev-deeper:untied untied:tied lev-init:lev; do
+    has_model "${pair%%:*}" && has_model "${pair##*:}" && pair_args+=(--pair "$pair")
+done
+"$py" -m megatron_lev.evaluation.seeds "${seed_args[@]}" "${pair_args[@]}" \
     --output-dir "$out/eval/seeds"
