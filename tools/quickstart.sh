@@ -27,7 +27,7 @@ usage: bash tools/quickstart.sh [--input PATH_OR_GLOB]... [--out DIR] [--steps N
   --steps N   training iterations of each model (default: the config's, demo-lev.yaml).
   --quick     a reduced run (500 documents, tiny-lev/tiny-tied, 30 steps): the test suite's mode.
   --publish   a maintainer's step: after the default run (no --input, --steps or --quick), train both
-              models at 2 more seeds (about 4 more minutes), then copy the numbers, lev vs tied over the
+              models at 2 more seeds (5.6 more minutes in the last run), then copy the numbers, lev vs tied over the
               3 seeds and the plots into docs/ (demo_results.{json,md}, the README's figures) and list
               the figures README.md must then quote. Without it the demo writes only under --out.
 EOF
