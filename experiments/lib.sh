@@ -1,6 +1,7 @@
 # shellcheck shell=bash
-# Shared by experiments/run.sh and experiments/lr_sweep.sh (sourced): train one run in one
-# process, resumably, and tell whether it finished. The caller sets py (the interpreter).
+# Shared by experiments/run.sh, lr_sweep.sh and queue.sh (sourced): prepare the data, train one
+# run in one process, resumably, and tell whether it finished. The caller sets py (the
+# interpreter) and repo.
 
 banner() { printf '\n=== %s  (%s)\n' "$*" "$(date -u +%H:%M:%S)"; }
 
@@ -41,6 +42,31 @@ train_run() {
         return 1
     fi
     banner "done $name: $(grep -h 'training done' "$run/train.log" | tail -n 1)"
+}
+
+# prepare_data OUT VOCAB: the experiment's data in OUT, unless there: Python's standard library as
+# Pile-format text (hashed document order, so the contiguous valid split mixes code and prose)
+# -> OUT/data/stdlib.jsonl.zst, a SentencePiece BPE of VOCAB entries -> OUT/tokenizer/spm.model,
+# the indexed dataset -> OUT/data/stdlib_text_document.{bin,idx}. Only the vocabulary differs
+# between two OUTs: the corpus is the same documents in the same order.
+prepare_data() {
+    local out=$1 vocab=$2
+    local corpus=$1/data/stdlib.jsonl.zst tokenizer=$1/tokenizer/spm.model dataset=$1/data/stdlib_text_document
+    mkdir -p "$out/data" "$out/tokenizer"
+    if [[ ! -f $corpus ]]; then
+        banner "corpus: Python's standard library (source, docstrings, pydoc topics) -> $corpus"
+        "$py" -m megatron_lev.data.corpus "$corpus" --sources pydoc_topics stdlib_docstrings stdlib_source --order hashed
+    fi
+    if [[ ! -f $tokenizer ]]; then
+        banner "tokenizer: SentencePiece BPE, $vocab tokens -> $tokenizer"
+        "$py" "$repo/tools/train_tokenizer.py" --input "$corpus" --output "$tokenizer" --vocab-size "$vocab" \
+            --sample-documents 50000 --num-threads 2
+    fi
+    if [[ ! -f $dataset.idx ]]; then
+        banner "preprocess -> $dataset.{bin,idx}"
+        "$py" "$repo/tools/preprocess_data.py" --input "$corpus" --output-prefix "${dataset%_text_document}" \
+            --tokenizer-type SentencePieceTokenizer --tokenizer-model "$tokenizer" --append-eod --workers 2
+    fi
 }
 
 # The runs are on CPU, one thread per process.

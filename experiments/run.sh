@@ -53,7 +53,6 @@ for s in $seeds; do
 done
 
 configs=$repo/experiments/configs
-corpus=$out/data/stdlib.jsonl.zst
 tokenizer=$out/tokenizer/spm.model
 dataset=$out/data/stdlib_text_document
 cache=$out/cache
@@ -69,25 +68,12 @@ fi
 has_model() { [[ " ${models[*]} " == *" $1 "* ]]; }
 # shellcheck source=experiments/lib.sh
 source "$repo/experiments/lib.sh"
-mkdir -p "$out/data" "$out/tokenizer" "$out/runs" "$out/eval"
+mkdir -p "$out/runs" "$out/eval"
 
 # --- corpus (hashed document order: the contiguous valid split mixes code and prose), tokenizer, dataset
-if [[ ! -f $corpus ]]; then
-    banner "corpus: Python's standard library (source, docstrings, pydoc topics) -> $corpus"
-    "$py" -m megatron_lev.data.corpus "$corpus" --sources pydoc_topics stdlib_docstrings stdlib_source --order hashed
-fi
 vocab=$("$py" -c 'import sys; from megatron_lev.configs import load_config
 print(load_config(sys.argv[1])["model"]["vocab_size"])' "$configs/exp-lev.yaml")
-if [[ ! -f $tokenizer ]]; then
-    banner "tokenizer: SentencePiece BPE, $vocab tokens -> $tokenizer"
-    "$py" "$repo/tools/train_tokenizer.py" --input "$corpus" --output "$tokenizer" --vocab-size "$vocab" \
-        --sample-documents 50000 --num-threads 2
-fi
-if [[ ! -f $dataset.idx ]]; then
-    banner "preprocess -> $dataset.{bin,idx}"
-    "$py" "$repo/tools/preprocess_data.py" --input "$corpus" --output-prefix "${dataset%_text_document}" \
-        --tokenizer-type SentencePieceTokenizer --tokenizer-model "$tokenizer" --append-eod --workers 2
-fi
+prepare_data "$out" "$vocab"
 
 # --- the learning-rate sweep (--sweep): tied, untied and lev (or --models) at each --sweep-lrs, seed 1,
 # then the table of every run in $out/sweep, and stop.
