@@ -59,7 +59,7 @@ prepare_data() {
     fi
     if [[ ! -f $tokenizer ]]; then
         banner "tokenizer: SentencePiece BPE, $vocab tokens -> $tokenizer"
-        "$py" "$repo/tools/train_tokenizer.py" --input "$corpus" --output "$tokenizer" --vocab-size "$vocab" \
+        "$py" "${repo:?}/tools/train_tokenizer.py" --input "$corpus" --output "$tokenizer" --vocab-size "$vocab" \
             --sample-documents 50000 --num-threads 2
     fi
     if [[ ! -f $dataset.idx ]]; then

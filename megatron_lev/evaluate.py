@@ -105,6 +105,12 @@ def model_source(path: str, flag: str = "--model") -> tuple[str, str, Optional[i
                      "iter_* checkpoint), an iter_* checkpoint, nor a Hugging Face folder (no config.json)")
 
 
+def nonembedding_counts(counts: dict) -> dict:
+    """total, input side, output head and the rest (non-embedding) of count_parameters' counts."""
+    return {"total": counts["total"], "embedding": counts["embedding"], "output_layer": counts["output_layer"],
+            "nonembedding": counts["total"] - counts["embedding"] - counts["output_layer"]}
+
+
 def load_model(name: str, path: str, device: torch.device, bf16: bool = False,
                trust_remote_code: bool = False) -> LoadedModel:
     kind, load_dir, iteration = model_source(path, f"--model {name}=")
@@ -123,7 +129,11 @@ def load_model(name: str, path: str, device: torch.device, bf16: bool = False,
                 "trained_with": {"tensor_model_parallel_size": ckpt.tensor_model_parallel_size,
                                  "pipeline_model_parallel_size": ckpt.pipeline_model_parallel_size,
                                  "zero_stage": ckpt.zero_stage},
-                "parameters": count_parameters(config)["total"]}
+                "parameters": count_parameters(config)["total"],
+                # What effective-parameter fits read (megatron_lev.evaluation.scaling): the run's seed and
+                # the non-embedding count (without the input side and the output head).
+                "seed": (ckpt.config or {}).get("training", {}).get("seed"),
+                "parameter_counts": nonembedding_counts(count_parameters(config))}
         return LoadedModel(name, kind, path, module.to(device).eval(), config.vocab_size, info, ckpt.config)
     from transformers import AutoModelForCausalLM
 
@@ -246,21 +256,28 @@ class ModelScore:
         return self.nll_sum / max(self.tokens, 1)
 
 
-def score_models(models: list[LoadedModel], batches, bucketings: dict[str, bk.Bucketing]) -> dict[str, ModelScore]:
+def score_models(models: list[LoadedModel], batches, bucketings: dict[str, bk.Bucketing],
+                 token_nll: Optional[dict] = None) -> dict[str, ModelScore]:
     """Every model on every batch (the same tokens for all); NLL sums in float64, per bucket
-    of the predicted token and of the input token (bk.STRATA)."""
+    of the predicted token and of the input token (bk.STRATA). With `token_nll` (a dict), every
+    scored position is also appended to it: "input_ids", "label_ids" and each model's NLL."""
     scores = {m.name: ModelScore(by_bucket={(stratum, k): bk.BucketNLL.zeros(b.num_buckets)
                                             for stratum in bk.STRATA for k, b in bucketings.items()})
               for m in models}
     for batch in batches:
         mask = batch["loss_mask"] > 0
         ids = {"predicted": batch["labels"][mask].cpu().numpy(), "input": batch["tokens"][mask].cpu().numpy()}
+        if token_nll is not None:
+            token_nll.setdefault("input_ids", []).append(ids["input"])
+            token_nll.setdefault("label_ids", []).append(ids["predicted"])
         for model in models:
             nll = model.token_nll(batch["tokens"], batch["position_ids"], batch["labels"])[mask]
             score = scores[model.name]
             score.nll_sum += float(nll.double().sum())
             score.tokens += int(nll.numel())
             values = nll.cpu().numpy()
+            if token_nll is not None:
+                token_nll.setdefault(f"nll/{model.name}", []).append(values)
             for stratum in bk.STRATA:
                 for key, bucketing in bucketings.items():
                     score.by_bucket[stratum, key].add(bucketing, ids[stratum], values)
@@ -268,6 +285,26 @@ def score_models(models: list[LoadedModel], batches, bucketings: dict[str, bk.Bu
 
 
 # --------------------------------------------------------------------------- report
+
+
+def write_token_nll(path: str, token_nll: dict, counts: Optional[np.ndarray]) -> dict:
+    """token_nll.npz (compressed): input_ids and label_ids (uint16 or uint32), nll/<model> in float16
+    (a per-token rounding of at most 2^-8 relative, unbiased: a bin of n tokens moves by about
+    loss * 2^-8 / sqrt(n)), and train_counts when frequencies were counted. Returns its summary."""
+    from megatron_lev.utils.files import atomic_path
+
+    arrays = {k: np.concatenate(v) for k, v in token_nll.items()}
+    top = max(int(arrays["input_ids"].max(initial=0)), int(arrays["label_ids"].max(initial=0)))
+    id_type = np.uint16 if top < 2 ** 16 else np.uint32
+    out = {k: (v.astype(id_type) if k.endswith("_ids") else v.astype(np.float16)) for k, v in arrays.items()}
+    if counts is not None:
+        out["train_counts"] = np.asarray(counts, dtype=np.int64)
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            np.savez_compressed(f, **out)
+    return {"path": os.path.abspath(path), "positions": int(arrays["input_ids"].size),
+            "models": [k.split("/", 1)[1] for k in arrays if k.startswith("nll/")]}
+
 
 
 def frequency_split(prefixes: list[str], freq_split: str, settings: dict) -> Optional[str]:
@@ -392,6 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bf16", action="store_true", help="run the models in bf16 (log-softmax stays float32)")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="run HF folders' own Python code even when it is not byte-identical to ours (docs/security.md)")
+    g.add_argument("--save-token-nll", action="store_true",
+                   help="also write token_nll.npz: every scored position's input and label ids, each model's NLL "
+                        "(float16) and, with --freq-dataset, the training counts (megatron_lev.evaluation.bins reads it)")
     g.add_argument("--plot-width", type=int, default=1200)
     g.add_argument("--plot-height", type=int, default=800)
     return p
@@ -446,7 +486,8 @@ def run(args) -> dict:
 
         batches = progress_bar(eval_batches(dataset, num_samples, args.micro_batch_size, args.eval_tokens, device),
                                "scoring", total=math.ceil(num_samples / args.micro_batch_size), unit="batch")
-        scores = score_models(models, batches, bucketings)
+        token_nll = {} if args.save_token_nll else None
+        scores = score_models(models, batches, bucketings, token_nll)
         report, markdown = build_report(models, scores, settings, baseline, counts, bucketings, freq_meta,
                                         args.output_dir, (args.plot_width, args.plot_height))
     finally:
@@ -457,6 +498,8 @@ def run(args) -> dict:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+    if token_nll is not None:
+        report["token_nll"] = write_token_nll(os.path.join(args.output_dir, "token_nll.npz"), token_nll, counts)
     write_json_atomic(os.path.join(args.output_dir, "evaluation.json"), report)
     write_text_atomic(os.path.join(args.output_dir, "evaluation.md"), markdown)
     print(markdown)

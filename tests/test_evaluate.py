@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_lev.evaluation import buckets as bk
-from megatron_lev.evaluation import curves, frequency, plots
+from megatron_lev.evaluation import bins, curves, frequency, plots
 from megatron_lev.evaluation.report import ComparisonTable, relative_change
 from tests.distributed import torchrun
 
@@ -307,7 +307,7 @@ def test_evaluate_perplexity_frequency_tables_and_plots(lev_run, lev_exports, ti
         "--model", f"lev={lev_run}", "--model", f"hf={lev_exports['iter4']}", "--model", f"early={lev_exports['iter2']}",
         "--baseline", "early", "--eval-tokens", str(n_tokens), "--micro-batch-size", "3",
         "--freq-dataset", "1.0", tiny_dataset, "--buckets", "quantile:4", "--buckets", "log", "--buckets", "types:4",
-        "--device", "cpu",
+        "--device", "cpu", "--save-token-nll",
         "--output-dir", str(out), "--plot-width", "1000", "--plot-height", "700"])
     assert {k: os.environ.get(k) for k in env_before} == env_before  # no rendezvous variables left behind
     saved = json.load(open(out / "evaluation.json"))
@@ -359,6 +359,27 @@ def test_evaluate_perplexity_frequency_tables_and_plots(lev_run, lev_exports, ti
             per_stratum[stratum] = [r["nll"] for r in section["models"]["lev"]]
         assert per_stratum["input"] != per_stratum["predicted"]
     assert os.path.basename(freq["input_bucketings"]["types:4"]["plot"]) == "freq_input_types_4.png"
+    # --save-token-nll: every scored position's ids, each model's NLL (float16) and the counts;
+    # the run's seed and non-embedding count for effective-parameter fits (evaluation.scaling).
+    with np.load(out / "token_nll.npz") as saved_nll:
+        np.testing.assert_array_equal(saved_nll["input_ids"], ids["input_bucketings"])
+        np.testing.assert_array_equal(saved_nll["label_ids"], ids["bucketings"])
+        np.testing.assert_array_equal(saved_nll["train_counts"], expected)
+        for name, model in result["models"].items():
+            assert saved_nll[f"nll/{name}"].dtype == np.float16
+            assert float(saved_nll[f"nll/{name}"].astype(np.float64).mean()) == pytest.approx(model["loss"], rel=1e-3)
+        seed_data = {"path": str(out), **{k: saved_nll[k] for k in saved_nll.files}}
+    assert result["token_nll"]["positions"] == n_tokens and result["token_nll"]["models"] == ["lev", "hf", "early"]
+    assert lev["seed"] == 1234
+    counts_of = lev["parameter_counts"]
+    assert counts_of["total"] == lev["parameters"]
+    assert counts_of["nonembedding"] == lev["parameters"] - counts_of["embedding"] - counts_of["output_layer"]
+    binned = bins.compare({"1234": seed_data}, [("lev", "early")], edges=(1, 10), draws=200)["pairs"]["lev:early"]
+    everything = binned["predicted"][-1]
+    assert everything["bin"] == "all" and everything["eval_tokens"] == n_tokens
+    assert everything["difference"] == pytest.approx(lev["loss"] - result["models"]["early"]["loss"], abs=2e-3)
+    assert sum(r["eval_tokens"] for r in binned["input"][:-1]) == n_tokens
+
     text = (out / "evaluation.md").read_text()
     assert "Perplexity by training-frequency bucket of the predicted token" in text
     assert "Perplexity by training-frequency bucket of the input token" in text

@@ -1,0 +1,207 @@
+"""Loss differences by training-count bin, with their token mass and a paired bootstrap (issue 32).
+
+    python -m megatron_lev.evaluation.bins --seed-dir 1=eval/s1 --seed-dir 2=eval/s2 --seed-dir 3=eval/s3 \
+        --pair lev:untied --pair tied:untied --output-dir eval/bins
+
+Each seed directory holds (anywhere below it) one token_nll.npz of `megatron_lev.evaluate
+--save-token-nll --freq-dataset ...`: every scored position's input and label ids, each model's
+NLL there, and the training counts of every token type. All seeds must have scored the same
+positions (the same validation tokens) with the same counts.
+
+A position goes to the bin of the training count of its *predicted* token (the label) or of its
+*input* token (the one LEV embeds there), with the bins' lower edges `--edges` (default
+1,10,100,1000: counts 0 | 1-9 | 10-99 | 100-999 | >= 1000). For a pair MODEL:BASELINE and each
+bin:
+
+  mass        the bin's types, their share of the training tokens, and its evaluated positions
+              (count and share): what the bin's figure rests on
+  difference  the mean over positions of delta_i = mean over seeds of (NLL_model - NLL_baseline)
+              at position i, in nats (negative: MODEL better), and exp(difference) - 1 as a
+              perplexity change
+  interval    a paired token-level bootstrap: positions of the bin resampled with replacement
+              (`--bootstrap` draws, the same positions for both models and every seed), the
+              2.5 and 97.5 percentiles of the resampled mean; it holds the token sampling error
+              of these validation tokens, not the seed-to-seed spread, which `per_seed` shows
+  signs       per seed, the bin's mean difference, and how many seeds are below / above zero
+
+Output (`--output-dir`): bins.json and bins.md.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import math
+import os
+
+import numpy as np
+
+from megatron_lev.evaluation.report import parse_named
+from megatron_lev.utils.files import write_json_atomic, write_text_atomic
+
+STRATA = {"predicted": "label_ids", "input": "input_ids"}
+DEFAULT_EDGES = (1, 10, 100, 1000)
+
+
+def bin_labels(edges) -> list[str]:
+    """Labels of the bins [0, e0), [e0, e1), ..., [e_last, inf) of integer counts."""
+    bounds = [0, *edges]
+    labels = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        labels.append(str(lo) if hi - lo == 1 else f"{lo}-{hi - 1}")
+    return labels + [f">={bounds[-1]}"]
+
+
+def bin_of_counts(counts: np.ndarray, edges) -> np.ndarray:
+    """Bin index of each token type from its training count (bin 0: counts below edges[0])."""
+    return np.searchsorted(np.asarray(edges), np.asarray(counts), side="right")
+
+
+def bootstrap_mean_interval(values: np.ndarray, draws: int, rng: np.random.Generator,
+                            chunk_elements: int = 10_000_000) -> tuple[float, float]:
+    """2.5 / 97.5 percentiles of the mean of `values` resampled with replacement `draws` times."""
+    n = values.size
+    if n == 0:
+        return math.nan, math.nan
+    means = np.empty(draws)
+    per_chunk = max(1, chunk_elements // n)
+    for start in range(0, draws, per_chunk):
+        stop = min(draws, start + per_chunk)
+        idx = rng.integers(0, n, size=(stop - start, n))
+        means[start:stop] = values[idx].mean(axis=1)
+    lo, hi = np.quantile(means, [0.025, 0.975])
+    return float(lo), float(hi)
+
+
+def load_seed(seed: str, seed_dir: str) -> dict:
+    found = sorted(glob.glob(os.path.join(seed_dir, "**", "token_nll.npz"), recursive=True))
+    if len(found) != 1:
+        raise ValueError(f"--seed-dir {seed}={seed_dir}: want exactly one token_nll.npz below it, found {len(found)} "
+                         "(megatron_lev.evaluate --save-token-nll)")
+    with np.load(found[0]) as data:
+        arrays = {k: data[k] for k in data.files}
+    if "train_counts" not in arrays:
+        raise ValueError(f"{found[0]}: no train_counts (evaluate with --freq-dataset as well)")
+    return {"path": found[0], **arrays}
+
+
+def compare(seeds: dict[str, dict], pairs: list[tuple[str, str]], edges=DEFAULT_EDGES, draws: int = 2000,
+            rng_seed: int = 0) -> dict:
+    first_seed, first = next(iter(seeds.items()))
+    for seed, data in seeds.items():
+        for key in ("input_ids", "label_ids", "train_counts"):
+            if data[key].shape != first[key].shape or not np.array_equal(data[key], first[key]):
+                raise ValueError(f"seed {seed} ({data['path']}) and seed {first_seed} ({first['path']}) differ in "
+                                 f"{key}: they must score the same validation tokens with the same counts")
+        for model, baseline in pairs:
+            for name in (model, baseline):
+                if f"nll/{name}" not in data:
+                    models = sorted(k.split("/", 1)[1] for k in data if k.startswith("nll/"))
+                    raise ValueError(f"{data['path']}: no model {name!r} (it has {models})")
+    counts = first["train_counts"].astype(np.int64)
+    type_bin = bin_of_counts(counts, edges)
+    labels = bin_labels(edges)
+    total_train, positions = max(int(counts.sum()), 1), first["input_ids"].size
+    rng = np.random.default_rng(rng_seed)
+    result = {"edges": list(edges), "bins": labels, "positions": int(positions), "seeds": list(seeds),
+              "bootstrap_draws": draws, "pairs": {}}
+    for model, baseline in pairs:
+        delta_by_seed = np.stack([data[f"nll/{model}"].astype(np.float64) - data[f"nll/{baseline}"].astype(np.float64)
+                                  for data in seeds.values()])
+        delta = delta_by_seed.mean(axis=0)
+        strata = {}
+        for stratum, key in STRATA.items():
+            position_bin = type_bin[first[key].astype(np.int64)]
+            rows = []
+            for b, label in enumerate([*labels, "all"]):
+                members = np.ones(positions, dtype=bool) if label == "all" else position_bin == b
+                type_members = np.ones(counts.size, dtype=bool) if label == "all" else type_bin == b
+                n = int(members.sum())
+                per_seed = {s: (float(delta_by_seed[i, members].mean()) if n else None)
+                            for i, s in enumerate(seeds)}
+                diff = float(delta[members].mean()) if n else None
+                lo, hi = bootstrap_mean_interval(delta[members], draws, rng)
+                signs = [v for v in per_seed.values() if v is not None]
+                rows.append({
+                    "bin": label, "types": int(type_members.sum()),
+                    "train_token_share": float(counts[type_members].sum() / total_train),
+                    "eval_tokens": n, "eval_token_share": n / positions,
+                    "difference": diff, "ci95": [lo, hi] if n else [None, None],
+                    "ppl_change_pct": None if diff is None else 100 * math.expm1(diff),
+                    "per_seed": per_seed,
+                    "seeds_below_zero": sum(v < 0 for v in signs), "seeds_above_zero": sum(v > 0 for v in signs)})
+            strata[stratum] = rows
+        result["pairs"][f"{model}:{baseline}"] = {"model": model, "baseline": baseline, **strata}
+    return result
+
+
+def _fmt(value, digits=4, signed=True) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+
+
+def bins_markdown(result: dict) -> str:
+    lines = [f"Positions: {result['positions']:,} per seed; seeds {', '.join(result['seeds'])}; paired token-level "
+             f"bootstrap of {result['bootstrap_draws']:,} draws.", ""]
+    for pair in result["pairs"].values():
+        for stratum in STRATA:
+            lines += [f"### {pair['model']} vs {pair['baseline']}, by training count of the {stratum} token", "",
+                      "| training count | types | train share | eval tokens (share) | loss difference (nats) | "
+                      "95% interval | perplexity change | per seed | seeds < 0 / > 0 |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            for r in pair[stratum]:
+                seeds = ", ".join(_fmt(v) for v in r["per_seed"].values())
+                change = "n/a" if r["ppl_change_pct"] is None else f"{r['ppl_change_pct']:+.1f}%"
+                lines.append(f"| {r['bin']} | {r['types']:,} | {r['train_token_share']:.4f} | {r['eval_tokens']:,} "
+                             f"({100 * r['eval_token_share']:.2f}%) | {_fmt(r['difference'])} | "
+                             f"[{_fmt(r['ci95'][0])}, {_fmt(r['ci95'][1])}] | {change} | {seeds} | "
+                             f"{r['seeds_below_zero']} / {r['seeds_above_zero']} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron_lev.evaluation.bins",
+                                description="Loss differences by training-count bin of the predicted and input "
+                                            "token, with token mass, a paired bootstrap interval and signs over seeds.")
+    p.add_argument("--seed-dir", action="append", required=True, metavar="SEED=DIR")
+    p.add_argument("--pair", action="append", required=True, metavar="MODEL:BASELINE")
+    p.add_argument("--edges", default=",".join(map(str, DEFAULT_EDGES)),
+                   help="lower edges of the bins after the first, ascending integers (default 1,10,100,1000)")
+    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap draws (default 2000)")
+    p.add_argument("--rng-seed", type=int, default=0)
+    p.add_argument("--output-dir", required=True)
+    return p
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    try:
+        edges = [int(e) for e in args.edges.split(",")]
+        if not edges or edges[0] < 1 or any(b <= a for a, b in zip(edges, edges[1:])):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"megatron_lev.evaluation.bins: error: --edges {args.edges!r}: want ascending positive "
+                         "integers like 1,10,100,1000") from None
+    try:
+        if args.bootstrap < 100:
+            raise ValueError(f"--bootstrap {args.bootstrap}: at least 100 draws")
+        pairs = []
+        for spec in args.pair:
+            model, sep, baseline = spec.partition(":")
+            if not sep or not model or not baseline:
+                raise ValueError(f"--pair {spec!r}: want MODEL:BASELINE")
+            pairs.append((model, baseline))
+        seeds = {s: load_seed(s, d) for s, d in parse_named(args.seed_dir, "--seed-dir", allow_bare=False).items()}
+        result = compare(seeds, pairs, edges, args.bootstrap, args.rng_seed)
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"megatron_lev.evaluation.bins: error: {exc}") from None
+    markdown = bins_markdown(result)
+    write_json_atomic(os.path.join(args.output_dir, "bins.json"), result)
+    write_text_atomic(os.path.join(args.output_dir, "bins.md"), markdown)
+    print(markdown)
+    return result
+
+
+if __name__ == "__main__":
+    main()
