@@ -88,7 +88,7 @@ def partition_of(name: str, embedding: str) -> Partition:
 def expected_parameter_names(config: LeviathanConfig) -> list[str]:
     """Every parameter name of a LeviathanModel with this config (what a full state dict holds)."""
     if config.embedding == "lev":
-        names = [LEV_PREFIX + p for p in (*REPLICATED_PARAMETERS, *HEAD_SHARDED_PARAMETERS)]
+        names = [LEV_PREFIX + p for p in config.lev_config().parameter_names()]
     else:
         names = ["embedding.weight"]
     for i in range(config.num_layers):

@@ -13,17 +13,17 @@ LEV_SPEC.md section 1):
             computed as float32 products of 16 factors combined by a sum of their logs,
             |M| capped at 2^115 (`mode_product`: the same in the fused kernels);
 6. output   `e = sum_l M_l @ w_out[l]`                                         [D]
+7. option   `output_norm`: `e = g * e / rms(e)` (RMSNorm, learned gain g)      [D]
 
-This file is torch-only on purpose: the Hugging Face export copies it verbatim
-beside `modeling_lev.py`. Tensor parallelism lives in `lev/parallel.py`. On CUDA, step 5
-(and its backward) runs as two fused Triton kernels from `lev/kernels.py` when Triton is
-installed (`FUSED_MODES_DEVICES`); this file's `_SeparableModes` is the reference and the
-CPU path, where its per-head reduction (`mode_product`) runs compiled by torch.compile.
+This file is torch-only on purpose: the Hugging Face export copies it verbatim beside
+`modeling_lev.py`. Tensor parallelism lives in `lev/parallel.py`. On CUDA, step 5 (and its
+backward) runs as two fused Triton kernels from `lev/kernels.py` when Triton is installed
+(`FUSED_MODES_DEVICES`); `_SeparableModes` is the reference and the CPU path (its per-head
+`mode_product` compiled by torch.compile).
 
-Parameters of `LEVGenerator` (names are stable: checkpoints and the HF export
-depend on them). Head-sharded tensors have the head on dim 0; a generator that
-holds heads `[head_start, head_end)` stores only those rows, so merging the
-shards of a tensor-parallel model is a concatenation along dim 0.
+Parameters of `LEVGenerator` (stable names: checkpoints and the HF export depend on them).
+Head-sharded tensors have the head on dim 0; a generator holding heads `[head_start,
+head_end)` stores only those rows, so merging TP shards is a concatenation along dim 0.
 
     codebooks  [k, b, d_s]           digit codebooks (replicated under TP)
     w_seed     [h, d_s, d_s]         per-head seed projection, u = w_seed[l] @ z
@@ -31,6 +31,7 @@ shards of a tensor-parallel model is a concatenation along dim 0.
     ln_beta    [h, d_s]              per-head LayerNorm shift
     delta      [h, d_s, kappa, r]    mode coefficients, S = 1 + delta
     w_out      [h, r, D]             per-head aggregation to the model width
+    out_norm_weight [D]              RMSNorm gain of the embedding (`output_norm` only; replicated)
 """
 from __future__ import annotations
 
@@ -45,13 +46,12 @@ import torch.nn.functional as F
 
 DIGIT_ORDERS = ("msb_first", "lsb_first")
 HEAD_SHARDED_PARAMETERS = ("w_seed", "ln_gamma", "ln_beta", "delta", "w_out")
-REPLICATED_PARAMETERS = ("codebooks",)
-# Rows are evaluated in multiples of this many (padded with id 0). BLAS libraries pick
-# different kernels for very small matrices (MKL: fewer than ~12 rows), which round
-# differently; a fixed minimum block keeps each id's float32 embedding independent of
-# how many other ids are evaluated with it, so unique-id and per-position evaluation
-# agree to the last bit. Verified on CPU (MKL, tests/test_lev.py); cuBLAS also picks
-# kernels by shape, and the GPU has not been checked.
+REPLICATED_PARAMETERS = ("codebooks", "out_norm_weight")  # out_norm_weight: with `output_norm` only
+# Rows are evaluated in multiples of this many (padded with id 0). BLAS libraries pick different
+# kernels for very small matrices (MKL: fewer than ~12 rows), which round differently; a fixed minimum
+# block keeps each id's float32 embedding independent of how many other ids are evaluated with it, so
+# unique-id and per-position evaluation agree to the last bit. Verified on CPU (MKL, tests/test_lev.py);
+# cuBLAS also picks kernels by shape, and the GPU has not been checked.
 ROW_BLOCK = 64
 
 
@@ -67,12 +67,9 @@ def smallest_base(vocab_size: int, num_coordinates: int) -> int:
 
 @dataclass
 class LEVConfig:
-    """Every hyper-parameter of the generator; defaults are the spec's.
-
-    `digit_base` pins the base instead of deriving it from `vocab_size` (for
-    instance to keep a checkpoint's codebook shape when the vocabulary grows); it
-    must still satisfy `digit_base ** num_coordinates >= vocab_size`.
-    """
+    """Every hyper-parameter of the generator; defaults are the spec's. `digit_base` pins the
+    base instead of deriving it from `vocab_size` (for instance to keep a checkpoint's codebook
+    shape when the vocabulary grows); it must still satisfy `digit_base ** k >= vocab_size`."""
 
     vocab_size: int
     hidden_size: int
@@ -91,6 +88,10 @@ class LEVConfig:
     # Initialisation options (docs/lev.md, "Initialisation"); off by default, the spec's init.
     init_embedding_rms: Optional[float] = None  # scale W_out: embedding RMS at init (0.02 = an N(0, 0.02) table)
     init_remove_shared: bool = False  # project W_out off the mean mode: tokens share no direction at init
+    # The generator's own knobs (docs/lev.md, "Knobs"); the defaults are the spec's generator.
+    ln_gain_init: float = 1.0  # LayerNorm gain gamma at init; 3.63 spreads x = sigmoid(u / 2) over every knot
+    output_norm: bool = False  # RMSNorm of the embedding (after the sum over all heads), learned gain
+    output_norm_init: float = 0.02  # that gain at init: an N(0, 0.02) table's RMS
 
     def __post_init__(self):
         self.validate()
@@ -109,42 +110,42 @@ class LEVConfig:
                 raise ValueError(f"LEVConfig.{name}={value!r} must be a positive integer")
         if isinstance(self.num_knots, bool) or not isinstance(self.num_knots, int) or self.num_knots < 2:
             raise ValueError(f"LEVConfig.num_knots={self.num_knots!r} must be an integer >= 2")
-        for name in ("init_std", "delta_init_std"):
+        for name, minimum in (("init_std", 0), ("delta_init_std", 0), ("layernorm_eps", None), ("log_eps", None),
+                              ("ln_gain_init", None), ("output_norm_init", None), ("init_embedding_rms", None)):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"LEVConfig.{name}={value!r} must be a finite number >= 0")
-        rms = self.init_embedding_rms
-        if rms is not None and not (isinstance(rms, (int, float)) and math.isfinite(rms) and rms > 0):
-            raise ValueError(f"LEVConfig.init_embedding_rms={rms!r} must be a finite number > 0 or None")
-        if not isinstance(self.init_remove_shared, bool):
-            raise ValueError(f"LEVConfig.init_remove_shared={self.init_remove_shared!r} must be true or false")
-        for name in ("layernorm_eps", "log_eps"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"LEVConfig.{name}={value!r} must be a finite number > 0")
+            if (value is not None or name != "init_embedding_rms") and (isinstance(value, bool) or not (
+                    isinstance(value, (int, float)) and math.isfinite(value)
+                    and (value > 0 if minimum is None else value >= minimum))):
+                raise ValueError(f"LEVConfig.{name}={value!r} must be a finite number "
+                                 f"{'> 0' if minimum is None else '>= 0'}{' or None' * (name == 'init_embedding_rms')}")
+        for name in ("init_remove_shared", "output_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LEVConfig.{name}={getattr(self, name)!r} must be true or false")
         if self.digit_order not in DIGIT_ORDERS:
             raise ValueError(f"LEVConfig.digit_order={self.digit_order!r} must be one of {DIGIT_ORDERS}")
-        if self.digit_base is not None:
-            b = self.digit_base
-            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-                raise ValueError(f"LEVConfig.digit_base={b!r} must be a positive integer or None")
-            if b ** self.num_coordinates < self.vocab_size:
-                raise ValueError(
-                    f"LEVConfig.digit_base={b}: {b}**{self.num_coordinates} = {b ** self.num_coordinates} "
-                    f"< vocab_size {self.vocab_size}, so some ids have no digits")
+        b, k = self.digit_base, self.num_coordinates
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"LEVConfig.digit_base={b!r} must be a positive integer or None")
+        if b is not None and b ** k < self.vocab_size:
+            raise ValueError(f"LEVConfig.digit_base={b}: {b}**{k} = {b ** k} < vocab_size {self.vocab_size}, "
+                             "so some ids have no digits")
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tensor-parallel size {tp_size!r} must be a positive integer")
         if self.num_heads % tp_size != 0:
-            raise ValueError(
-                f"LEVConfig.num_heads={self.num_heads} must be divisible by the tensor-parallel size "
-                f"{tp_size} (--tensor-model-parallel-size): heads are split over TP ranks")
+            raise ValueError(f"LEVConfig.num_heads={self.num_heads} must be divisible by the tensor-parallel size "
+                             f"{tp_size} (--tensor-model-parallel-size): heads are split over TP ranks")
         return self
 
     def num_parameters(self) -> int:
-        """Spec formula: k*b*d_s + h*(d_s^2 + 2*d_s) + h*d_s*kappa*r + h*r*D."""
+        """Spec formula: k*b*d_s + h*(d_s^2 + 2*d_s) + h*d_s*kappa*r + h*r*D (+ D with `output_norm`)."""
         k, b, ds, h = self.num_coordinates, self.base, self.seed_dim, self.num_heads
         kappa, r, d = self.num_knots, self.num_modes, self.hidden_size
-        return k * b * ds + h * (ds * ds + 2 * ds) + h * ds * kappa * r + h * r * d
+        return k * b * ds + h * (ds * ds + 2 * ds) + h * ds * kappa * r + h * r * d + d * self.output_norm
+
+    def parameter_names(self) -> tuple[str, ...]:
+        """The generator's parameters, replicated ones first (what a full state dict holds)."""
+        return tuple(n for n in (*REPLICATED_PARAMETERS, *HEAD_SHARDED_PARAMETERS)
+                     if n != "out_norm_weight" or self.output_norm)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -173,17 +174,14 @@ def token_digits(ids: torch.Tensor, base: int, num_coordinates: int, order: str 
 
 
 def bspline_basis(x: torch.Tensor, num_knots: int, with_derivative: bool = False):
-    """Normalised quadratic B-spline basis of x in [0, 1] on `num_knots` uniform knots.
-
-    Only the nearest knot `c` and its two neighbours can be non-zero, so this
-    returns them in closed form instead of evaluating all knots:
+    """Normalised quadratic B-spline basis of x in [0, 1] on `num_knots` uniform knots. Only the
+    nearest knot `c` and its two neighbours can be non-zero, so they are returned in closed form:
       center  [...]     long, nearest knot index c
       weights [..., 3]  weights of knots (c-1, c, c+1), zero for a knot off the grid,
                         divided by their sum (which is 1 away from the two ends)
       dweights [..., 3] d weights / d x (only with `with_derivative`)
     With t0 = x*(kappa-1) - c in [-1/2, 1/2] the spec's piecewise polynomial gives
-    0.5*(0.5 - t0)^2, 0.75 - t0^2, 0.5*(0.5 + t0)^2.
-    """
+    0.5*(0.5 - t0)^2, 0.75 - t0^2, 0.5*(0.5 + t0)^2."""
     scaled = x * (num_knots - 1)
     center = torch.floor(scaled + 0.5).clamp_(0, num_knots - 1)
     t0 = scaled - center
@@ -283,14 +281,12 @@ def _compiled_cpu_mode_product(phi: torch.Tensor, eps: float):
 class _SeparableModes(torch.autograd.Function):
     """M[n, l, q] = prod_d phi[n, l, d, q],  phi = sum_j B_j(x[n, l, d]) * S[l, d, j, q].
 
-    The CPU path (and the reference for lev/kernels.py). The basis of every head is built
-    in one pass of ops; the [d_s, n, r] mode factors phi are formed one head at a time (a
-    batched matmul with the dense basis) and reduced by `mode_product`, which also returns
-    the derivative factor dM/dphi[d] / M = 1 / phi'[d]. Forward keeps it and the basis (with
-    its closed-form derivative), so backward multiplies the factor by the incoming gradient
-    (`mode_gradient_weight`) instead of rebuilding phi and the basis: h * d_s * n * (r + kappa + 9)
-    floats of memory, on CPU, for one matmul and a dozen passes fewer.
-    """
+    The CPU path (and the reference for lev/kernels.py). The basis of every head is built in one
+    pass; the [d_s, n, r] mode factors phi are formed one head at a time (a bmm with the dense
+    basis) and reduced by `mode_product`, which also returns dM/dphi[d] / M = 1 / phi'[d]. Forward
+    keeps it and the basis (with its closed-form derivative), so backward multiplies the factor by
+    the incoming gradient (`mode_gradient_weight`) instead of rebuilding phi and the basis:
+    h * d_s * n * (r + kappa + 9) floats of memory, on CPU, for one matmul and a dozen passes fewer."""
 
     @staticmethod
     def forward(ctx, x, coeffs, eps):
@@ -335,10 +331,9 @@ class _SeparableModes(torch.autograd.Function):
         return grad_x, grad_coeffs, None
 
 
-# Devices whose tensors take the fused kernels of lev/kernels.py (when Triton imports):
-# on CUDA they replace the per-head loop with one forward and one backward kernel. The
-# CPU keeps the dense-basis `bmm` path: it measured faster there than the 3-knot gather
-# form, and it is the one whose unique-vs-per-position bit-exactness is verified.
+# Devices whose tensors take the fused kernels of lev/kernels.py (when Triton imports): on CUDA
+# they replace the per-head loop with one forward and one backward kernel. The CPU keeps the
+# `bmm` path: faster there than the 3-knot gather form, and its bit-exactness is verified.
 FUSED_MODES_DEVICES = ("cuda",)
 
 
@@ -359,9 +354,8 @@ def _fused_kernels():
     return kernels
 
 
-# Set to the reason when the fused kernels failed to compile or launch in this process (for
-# instance no C compiler or no Python.h for Triton's launcher): every later call takes the
-# PyTorch path, which computes the same modes.
+# The reason the fused kernels failed to compile or launch in this process (e.g. no C compiler or
+# no Python.h for Triton's launcher): every later call takes the PyTorch path (the same modes).
 fused_modes_failure: Optional[str] = None
 
 
@@ -373,9 +367,9 @@ def uses_fused_modes(device: torch.device) -> bool:
 
 
 def _fused_separable_modes(x: torch.Tensor, delta: torch.Tensor, eps: float) -> Optional[torch.Tensor]:
-    """The fused kernels' modes, or None (after one warning) where Triton cannot compile or
-    launch them. The first call per shape also runs the backward kernel (kernels.py), so a
-    failure shows here, in forward, where the PyTorch path can still take over."""
+    """The fused kernels' modes, or None (after one warning) where Triton cannot compile or launch
+    them. The first call per shape also runs the backward kernel (kernels.py), so a failure shows
+    here, in forward, where the PyTorch path can still take over."""
     global fused_modes_failure
     try:
         return _fused_kernels().separable_modes(x, delta, eps, chunk=MODE_CHUNK, mode_max=MODE_MAX)
@@ -389,10 +383,8 @@ def _fused_separable_modes(x: torch.Tensor, delta: torch.Tensor, eps: float) -> 
 
 
 def separable_modes(x: torch.Tensor, delta: torch.Tensor, eps: float = 1e-9) -> torch.Tensor:
-    """x [n, h, d_s] in [0, 1], delta [h, d_s, kappa, r] (S = 1 + delta) -> modes [n, h, r].
-
-    Always float32 inside, whatever the dtype of x and delta, and under autocast.
-    """
+    """x [n, h, d_s] in [0, 1], delta [h, d_s, kappa, r] (S = 1 + delta) -> modes [n, h, r];
+    float32 inside whatever the dtype of x and delta, and under autocast."""
     with torch.autocast(x.device.type, enabled=False):
         if uses_fused_modes(x.device):
             modes = _fused_separable_modes(x, delta, eps)
@@ -402,10 +394,9 @@ def separable_modes(x: torch.Tensor, delta: torch.Tensor, eps: float = 1e-9) -> 
 
 
 def init_lev_parameters(config: LEVConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """The FULL (all heads) float32 parameters, drawn from one seeded CPU generator in a
-    fixed order (codebooks, w_seed, delta, w_out), so the values do not depend on how
-    the heads are later split over tensor-parallel ranks; then the init options applied to
-    W_out (`calibrate_w_out`)."""
+    """The FULL (all heads) float32 parameters, drawn from one seeded CPU generator in a fixed
+    order (codebooks, w_seed, delta, w_out), so the values do not depend on how the heads are
+    later split over TP ranks; then the init options applied to W_out (`calibrate_w_out`)."""
     k, b, ds, h = config.num_coordinates, config.base, config.seed_dim, config.num_heads
     kappa, r, d = config.num_knots, config.num_modes, config.hidden_size
 
@@ -415,13 +406,15 @@ def init_lev_parameters(config: LEVConfig, generator: torch.Generator) -> dict[s
     params = {
         "codebooks": normal((k, b, ds), config.init_std),
         "w_seed": normal((h, ds, ds), config.init_std),
-        "ln_gamma": torch.ones(h, ds),
+        "ln_gamma": torch.full((h, ds), float(config.ln_gain_init)),
         "ln_beta": torch.zeros(h, ds),
         "delta": normal((h, ds, kappa, r), config.delta_init_std),
         "w_out": normal((h, r, d), config.init_std / math.sqrt(h)),
     }
     if config.init_remove_shared or config.init_embedding_rms is not None:
         params["w_out"] = calibrate_w_out(config, params)
+    if config.output_norm:
+        params["out_norm_weight"] = torch.full((d,), float(config.output_norm_init))
     return params
 
 
@@ -459,8 +452,7 @@ def seed_vectors(config: LEVConfig, codebooks: torch.Tensor, ids: torch.Tensor) 
 
 
 def seed_modes(config: LEVConfig, params: dict[str, torch.Tensor], z: torch.Tensor) -> torch.Tensor:
-    """z [n, d_s] -> modes [n, h, r] float32 for the heads `params` holds (W_seed, LayerNorm,
-    sigmoid, separable modes)."""
+    """z [n, d_s] -> modes [n, h, r] float32 for the heads `params` holds (W_seed, LN, sigmoid, modes)."""
     f32, ds = torch.float32, config.seed_dim
     h = params["w_seed"].shape[0]
     u = (z.to(f32) @ params["w_seed"].to(f32).reshape(h * ds, ds).t()).view(-1, h, ds)
@@ -482,12 +474,9 @@ def check_token_range(lowest: int, highest: int, vocab_size: int) -> None:
 
 
 def ids_to_evaluate(input_ids: torch.Tensor, vocab_size: int, unique: bool):
-    """The ids to run the generator on, range-checked with one min/max read.
-
-    unique=True:  (distinct ids sorted [n], inverse [input_ids.shape]) with
-                  input_ids == ids[inverse];
-    unique=False: (input_ids flattened [n], None).
-    """
+    """The ids to run the generator on, range-checked with one min/max read: with `unique`,
+    (distinct ids sorted [n], inverse [input_ids.shape]), input_ids == ids[inverse]; else
+    (input_ids flattened [n], None)."""
     if unique:
         ids, inverse = torch.unique(input_ids.reshape(-1), sorted=True, return_inverse=True)
         inverse = inverse.view(input_ids.shape)
@@ -501,13 +490,10 @@ def ids_to_evaluate(input_ids: torch.Tensor, vocab_size: int, unique: bool):
 
 
 class LEVGenerator(torch.nn.Module):
-    """Computes token embeddings from token ids, for the heads [head_start, head_end).
-
-    `forward(ids)` returns the sum over this module's heads (the full embedding when
-    it holds all heads) as float32 [n, D]. `seed` and `heads` are the two halves, split
-    so a tensor-parallel wrapper can put its copy-to-TP mapping between them.
-    Parameters are stored in `dtype`; all arithmetic is float32.
-    """
+    """Computes token embeddings from token ids, for the heads [head_start, head_end): `forward(ids)`
+    gives float32 [n, D] (see there); `seed`, `heads` and `finish` are its parts, split so that a
+    tensor-parallel wrapper can put its mappings between them. Parameters are stored in `dtype`;
+    all arithmetic is float32."""
 
     def __init__(self, config: LEVConfig, head_start: int = 0, head_end: Optional[int] = None, *,
                  init_seed: int = 1234, dtype: torch.dtype = torch.float32, device=None):
@@ -527,11 +513,17 @@ class LEVGenerator(torch.nn.Module):
         self.ln_beta = torch.nn.Parameter(torch.empty(h, ds, **factory))
         self.delta = torch.nn.Parameter(torch.empty(h, ds, kappa, r, **factory))
         self.w_out = torch.nn.Parameter(torch.empty(h, r, d, **factory))
+        if config.output_norm:
+            self.out_norm_weight = torch.nn.Parameter(torch.empty(d, **factory))
         self.reset_parameters()
 
     @property
     def num_local_heads(self) -> int:
         return self.head_end - self.head_start
+
+    @property
+    def holds_every_head(self) -> bool:
+        return self.num_local_heads == self.config.num_heads
 
     def reset_parameters(self) -> None:
         """Spec initialisation from `init_seed`, identical whatever the head split."""
@@ -559,12 +551,15 @@ class LEVGenerator(torch.nn.Module):
         h, r = self.num_local_heads, self.config.num_modes
         return modes.reshape(-1, h * r) @ self.w_out.to(torch.float32).reshape(h * r, -1)
 
-    def forward(self, ids: torch.Tensor, seed_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
-        """ids [n] -> float32 [n, D], the sum over this module's heads (ids not range-checked).
+    def forward(self, ids: torch.Tensor, seed_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                heads_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+        """ids [n] -> float32 [n, D] (ids not range-checked): the embedding when the heads' sum is
+        whole (this module holds every head, or `heads_hook` sums it over TP ranks), else the sum
+        over this module's heads without `finish`.
 
-        `seed_hook(z)` runs between `seed` and `heads` (the TP wrapper's copy-to-TP
-        mapping). Going through forward, rather than calling seed/heads directly,
-        keeps module hooks working (DeepSpeed ZeRO-3 gathers parameters in them).
+        `seed_hook(z)` runs between `seed` and `heads` (the TP wrapper's copy-to-TP mapping),
+        `heads_hook(e)` after `heads` (its all-reduce). Going through forward, rather than calling
+        the parts directly, keeps module hooks working (DeepSpeed ZeRO-3 gathers parameters in them).
         """
         # Float32 inside, as the spec says, also under torch.autocast (which would run the
         # seed and output matmuls in bf16).
@@ -572,11 +567,25 @@ class LEVGenerator(torch.nn.Module):
             z = self.seed(pad_to_row_block(ids))
             if seed_hook is not None:
                 z = seed_hook(z)
-            return self.heads(z)[: ids.numel()]
+            e = self.heads(z)[: ids.numel()]
+            if heads_hook is not None:
+                e = heads_hook(e)
+            return self.finish(e) if heads_hook is not None or self.holds_every_head else e
+
+    def finish(self, e: torch.Tensor) -> torch.Tensor:
+        """The embedding from the sum over every head (after any TP reduction): with `output_norm`,
+        RMSNorm with the learned gain, in float32; else e itself."""
+        if not self.config.output_norm:
+            return e
+        with torch.autocast(e.device.type, enabled=False):
+            e = e.to(torch.float32)
+            return e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + self.config.layernorm_eps) \
+                * self.out_norm_weight.to(torch.float32)
 
     def embed(self, input_ids: torch.Tensor, unique: Optional[bool] = None) -> torch.Tensor:
-        """input_ids [...] -> float32 [..., D] over this module's heads, range-checked; with
-        `unique` (default: config.unique_ids) each distinct id is evaluated once."""
+        """input_ids [...] -> float32 [..., D] over this module's heads (the embedding when it holds
+        every head), range-checked; with `unique` (default: config.unique_ids) each distinct id is
+        evaluated once."""
         unique = self.config.unique_ids if unique is None else unique
         ids, inverse = ids_to_evaluate(input_ids, self.config.vocab_size, unique)
         out = self(ids)

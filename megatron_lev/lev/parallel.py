@@ -86,6 +86,10 @@ class ParallelLEVEmbedding(MegatronModule):
                 # generator runs on the whole batch before any sequence split, and the
                 # copy-to-TP mapping already makes its gradient whole.
                 set_tensor_model_parallel_attributes(param, is_parallel=False, dim=-1, stride=1)
+        if config.output_norm and sequence_parallel and tp_size > 1:
+            # The norm runs on this rank's sequence shard: its gain's gradient is partial, summed
+            # over TP as megatron-core sums its norms' (finalize_model_grads reads this attribute).
+            self.generator.out_norm_weight.sequence_parallel = True
 
     def forward(self, input_ids: torch.Tensor, lev_ids: Optional[torch.Tensor] = None,
                 lev_inverse: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -114,21 +118,25 @@ class ParallelLEVEmbedding(MegatronModule):
             ids, inverse = ids_to_evaluate(input_ids, self.lev_config.vocab_size, self.lev_config.unique_ids)
         # Every TP rank sees the same ids, hence the same distinct ids in the same order.
         seed_hook = self._copy_to_tensor_parallel if self.tp_size > 1 else None
-        partial = self.generator(ids, seed_hook=seed_hook).to(self.params_dtype)  # [n, D], this rank's heads
-
         if self.sequence_parallel and self.tp_size > 1:
-            # The reduce-scatter splits positions, so gather to positions first.
-            return reduce_scatter_to_sequence_parallel_region(self._to_positions(partial, inverse, batch, seq),
+            # The reduce-scatter splits positions, so gather to positions first; the generator's
+            # `finish` (output_norm) runs on the summed shard.
+            partial = self.generator(ids, seed_hook=seed_hook).to(self.params_dtype)  # [n, D], this rank's heads
+            rows = reduce_scatter_to_sequence_parallel_region(self._to_positions(partial, inverse, batch, seq),
                                                               group=self.tp_group)
+            return self.generator.finish(rows).to(self.params_dtype)
         # Without SP, sum the partials over TP before the gather: the same numbers as
         # reducing the [s, b, D] output (the gather only copies rows), with traffic the
         # size of the distinct ids rather than of the micro-batch.
-        if self.tp_size > 1:
-            partial = reduce_from_tensor_model_parallel_region(partial, group=self.tp_group)
-        return self._to_positions(partial, inverse, batch, seq)
+        heads_hook = self._reduce_from_tensor_parallel if self.tp_size > 1 else None
+        rows = self.generator(ids, seed_hook=seed_hook, heads_hook=heads_hook).to(self.params_dtype)
+        return self._to_positions(rows, inverse, batch, seq)
 
     def _copy_to_tensor_parallel(self, z: torch.Tensor) -> torch.Tensor:
         return copy_to_tensor_model_parallel_region(z, group=self.tp_group)
+
+    def _reduce_from_tensor_parallel(self, partial: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tensor_model_parallel_region(partial.to(self.params_dtype), group=self.tp_group)
 
     @staticmethod
     def _to_positions(rows: torch.Tensor, inverse: Optional[torch.Tensor], batch: int, seq: int) -> torch.Tensor:

@@ -40,6 +40,8 @@ TRAINING_DEFAULTS = {
     "min_lr": 0.0,
     "decoupled_lr": None,
     "decoupled_min_lr": None,
+    "lev_lr_mult": 1.0,
+    "lev_clip_grad": None,
     "lr_warmup_iters": 0,
     "lr_warmup_samples": 0,
     "lr_warmup_fraction": None,
@@ -150,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "the embedding table) and the output layer; the rest keeps --lr (Megatron's flag)")
     g.add_argument("--decoupled-min-lr", type=float, help="minimum learning rate of the --decoupled-lr parameters "
                    "(default: --min-lr)")
+    g.add_argument("--lev-lr-mult", type=float, help="learning-rate multiplier of the LEV generator alone (not the "
+                   "output layer), on its schedule (docs/lev.md, Knobs)")
+    g.add_argument("--lev-clip-grad", type=float, help="clip the LEV generator's gradient norm to this and the rest's "
+                   "to --clip-grad, each by its own norm (default: one global norm, Megatron's; 0 leaves it unclipped)")
     g.add_argument("--lr-warmup-iters", type=int)
     g.add_argument("--lr-warmup-samples", type=int)
     g.add_argument("--lr-warmup-fraction", type=float, help="warmup as a fraction of the decay length")
@@ -368,6 +374,14 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if not 0 <= args.min_lr <= args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} must lie in [0, --lr {args.lr}]")
     check_decoupled_lr(args)
+    if not (math.isfinite(args.lev_lr_mult) and args.lev_lr_mult > 0):
+        raise ConfigError(f"--lev-lr-mult must be a finite number > 0, got {args.lev_lr_mult}")
+    if args.lev_clip_grad is not None and not (math.isfinite(args.lev_clip_grad) and args.lev_clip_grad >= 0):
+        raise ConfigError(f"--lev-clip-grad must be a finite number >= 0, got {args.lev_clip_grad}")
+    embedding = args.model.get("embedding")
+    for flag, on in (("--lev-lr-mult", args.lev_lr_mult != 1.0), ("--lev-clip-grad", args.lev_clip_grad is not None)):
+        if on and embedding != "lev":
+            raise ConfigError(f"{flag}: the model has no LEV generator (embedding: {embedding})")
     _schedule_in_samples(args)
     args.recompute = recompute_setting(args)
     if args.clip_grad < 0:
@@ -521,7 +535,10 @@ def summarize_config(cfg: dict, full_path: str) -> str:
         f"schedule: {t['train_iters']} iterations, lr {t['lr']:g} {t['lr_decay_style']} -> {t['min_lr']:g}, "
         + (f"input side and output layer {t['decoupled_lr']:g} -> "
            f"{t['min_lr'] if t.get('decoupled_min_lr') is None else t['decoupled_min_lr']:g}, "
-           if t.get("decoupled_lr") is not None else "") + "warmup "
+           if t.get("decoupled_lr") is not None else "")
+        + (f"LEV generator x{t['lev_lr_mult']:g}, " if t.get("lev_lr_mult", 1.0) != 1.0 else "")
+        + (f"LEV generator clipped apart at {t['lev_clip_grad']:g}, " if t.get("lev_clip_grad") is not None else "")
+        + "warmup "
         f"{t.get('lr_warmup_steps', 0) / t['global_batch_size']:g} iterations; data {' '.join(map(str, t['data_path'] or t['train_data_path'] or []))}",
         f"full configuration: {full_path}",
     ]

@@ -8,7 +8,7 @@ filled in here, so one JSON serves every model size and batch:
     train_batch_size                 <- --global-batch-size
     train_micro_batch_size_per_gpu   <- --micro-batch-size
     gradient_accumulation_steps      <- global / (micro x data-parallel size)
-    gradient_clipping                <- --clip-grad
+    gradient_clipping                <- --clip-grad (0 with --lev-clip-grad: training/clipping.py clips)
     bf16.enabled                     <- --bf16
 
 A JSON may also give a number for any of them; it must then equal the flag (a silent
@@ -110,7 +110,12 @@ def build_deepspeed_config(args) -> dict:
     _fill(cfg, "train_micro_batch_size_per_gpu", args.micro_batch_size, "--micro-batch-size", path)
     _fill(cfg, "gradient_accumulation_steps", args.gradient_accumulation_steps,
           "--global-batch-size / (--micro-batch-size x data-parallel size)", path)
-    _fill(cfg, "gradient_clipping", float(args.clip_grad), "--clip-grad", path)
+    if getattr(args, "lev_clip_grad", None) is None:
+        _fill(cfg, "gradient_clipping", float(args.clip_grad), "--clip-grad", path)
+    else:
+        check_lev_clip_grad(args, cfg, stage, path)
+        # The trainer clips the LEV generator and the rest apart (training/clipping.py): DeepSpeed must not.
+        _fill(cfg, "gradient_clipping", 0.0, "--lev-clip-grad (the trainer clips each family itself)", path)
     bf16 = cfg.setdefault("bf16", {})
     _fill(bf16, "enabled", bool(args.bf16), "--bf16", path)
     # DeepSpeed reduces gradients in the model dtype unless told otherwise: bf16 all-reduces would
@@ -120,6 +125,21 @@ def build_deepspeed_config(args) -> dict:
     cfg.setdefault("wall_clock_breakdown", False)
     args.deepspeed_config_path = str(path)
     return cfg
+
+
+def check_lev_clip_grad(args, cfg: dict, stage: int, path) -> None:
+    """--lev-clip-grad works where DeepSpeed's ZeRO-1/2 optimizer steps (training/clipping.py)."""
+    reason = None
+    if stage == 3:
+        reason = "ZeRO-3 (its optimizer has no per-group gradient partitions to clip apart); use --zero-stage 2"
+    elif stage == 1 and args.bf16:
+        reason = "ZeRO-1 with bf16 (DeepSpeed's BF16_Optimizer clips in one piece); use --zero-stage 2"
+    elif args.pipeline_model_parallel_size > 1:
+        reason = "pipeline parallelism (the per-family norms are not reduced over stages)"
+    elif offloads_optimizer(cfg):
+        reason = f"optimizer offload ({path})"
+    if reason:
+        raise ConfigError(f"--lev-clip-grad {args.lev_clip_grad}: not supported with {reason}")
 
 
 def offloads_optimizer(ds_config: dict) -> bool:

@@ -79,7 +79,7 @@ def build_engine(args, model_config, ds_config: dict):
     offload = offloads_optimizer(ds_config)
     optimizer = build_optimizer(module, lr=args.lr, weight_decay=args.weight_decay,
                                 betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, offload=offload,
-                                decoupled_lr=args.decoupled_lr)
+                                decoupled_lr=args.decoupled_lr, lev_separate=lev_groups_apart(args))
     if offload and type(optimizer).__name__ != "DeepSpeedCPUAdam":
         ds_config["zero_force_ds_cpu_optimizer"] = False  # the CPU Adam op could not be built here
 
@@ -91,4 +91,13 @@ def build_engine(args, model_config, ds_config: dict):
     with quiet_deepspeed(getattr(args, "logging_level", None)), without_inference_comm_op():
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=ds_config, mpu=mpu)
+    if getattr(args, "lev_clip_grad", None) is not None:
+        from megatron_lev.training.clipping import install_family_clipping
+
+        install_family_clipping(engine.optimizer, args.lev_clip_grad, args.clip_grad)
     return engine
+
+
+def lev_groups_apart(args) -> bool:
+    """Whether the LEV generator gets optimizer groups of its own (--lev-lr-mult, --lev-clip-grad)."""
+    return getattr(args, "lev_lr_mult", 1.0) != 1.0 or getattr(args, "lev_clip_grad", None) is not None

@@ -14,6 +14,10 @@ checkpoints.
 (and `--decoupled-min-lr` their own floor) on the same warmup and decay: Megatron applies it
 to the embedding table and the output layer; here the input side is the LEV generator (or the
 table, for tied/untied). Their weight decay follows the same rules as everywhere.
+
+`--lev-lr-mult` (ours) multiplies the learning rate of the LEV generator alone (not the output
+layer), on top of whichever schedule its groups follow; with it, or with `--lev-clip-grad`
+(training/clipping.py), the generator's parameters get groups of their own (`LEV_GROUP_KEY`).
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ from megatron_lev.models.layers import OutputLayer, VocabEmbedding
 LEV_NO_DECAY_NAMES = ("codebooks", "ln_gamma", "ln_beta")
 # The param-group key that marks the --decoupled-lr groups (LRScheduler.get_lr reads it).
 DECOUPLED_LR_KEY = "decoupled_lr"
+# The param-group key that marks the LEV generator's own groups (--lev-lr-mult, --lev-clip-grad).
+LEV_GROUP_KEY = "lev_generator"
 
 
 def uses_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -47,37 +53,47 @@ def embedding_or_output_parameters(model: torch.nn.Module) -> set[int]:
     return found
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float, decoupled: bool = False) -> list[dict]:
+def lev_generator_parameters(model: torch.nn.Module) -> set[int]:
+    """ids of the LEV generator's parameters (inside a ParallelLEVEmbedding)."""
+    return {id(p) for module in model.modules() if isinstance(module, ParallelLEVEmbedding)
+            for p in module.parameters()}
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float, decoupled: bool = False,
+                 lev_separate: bool = False) -> list[dict]:
     """AdamW groups: decayed and not decayed; with `decoupled`, the same split again for the
-    --decoupled-lr parameters, after the others (so group 0 carries --lr, the rate the log
-    line shows, as Megatron logs its default group). Frozen parameters are left out.
+    --decoupled-lr parameters, and with `lev_separate` for the LEV generator's, after the
+    others (so group 0 carries --lr, the rate the log line shows, as Megatron logs its
+    default group). Frozen parameters are left out.
 
     Each group also lists its parameter names under "param_names" (DeepSpeed ignores
     the key; it makes the split inspectable).
     """
     special = embedding_or_output_parameters(model) if decoupled else set()
-    buckets = {}  # (decoupled, decayed) -> (params, names)
+    generator = lev_generator_parameters(model) if lev_separate else set()
+    buckets = {}  # (decoupled, LEV generator, decayed) -> (params, names)
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        key = (id(param) in special, uses_weight_decay(name, param))
+        key = (id(param) in special, id(param) in generator, uses_weight_decay(name, param))
         params, names = buckets.setdefault(key, ([], []))
         params.append(param)
         names.append(name)
     groups = []
-    for is_decoupled, decayed in ((False, True), (False, False), (True, True), (True, False)):
-        if (is_decoupled, decayed) not in buckets:
-            continue
-        params, names = buckets[(is_decoupled, decayed)]
+    for key in sorted(buckets, key=lambda k: (k[1], k[0], not k[2])):
+        (params, names), (is_decoupled, is_generator, decayed) = buckets[key], key
         group = {"params": params, "weight_decay": weight_decay if decayed else 0.0, "param_names": names}
         if is_decoupled:
             group[DECOUPLED_LR_KEY] = True
+        if is_generator:
+            group[LEV_GROUP_KEY] = True
         groups.append(group)
     return groups
 
 
 def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
-                    eps: float, offload: bool = False, decoupled_lr: float | None = None) -> torch.optim.Optimizer:
+                    eps: float, offload: bool = False, decoupled_lr: float | None = None,
+                    lev_separate: bool = False) -> torch.optim.Optimizer:
     """AdamW over `param_groups`. On GPU: DeepSpeed's CPU Adam under ZeRO-Offload, else
     DeepSpeed's (then apex's) fused Adam when they build/import, else torch's fused AdamW.
     On CPU (no CUDA): torch's fused AdamW, offload or not (offloading to the CPU you already
@@ -90,7 +106,8 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, b
     but DeepSpeed's fused kernels and checkpoints do not need them).
     """
     groups = [{k: v for k, v in g.items() if k != "param_names"}
-              for g in param_groups(model, weight_decay, decoupled=decoupled_lr is not None)]
+              for g in param_groups(model, weight_decay, decoupled=decoupled_lr is not None,
+                                    lev_separate=lev_separate)]
     kwargs = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if torch.cuda.is_available():
         candidates = (_deepspeed_cpu_adam,) if offload else (_deepspeed_fused_adam, _apex_fused_adam)
@@ -135,28 +152,33 @@ class LRScheduler(OptimizerParamScheduler):
     """
 
     def __init__(self, optimizer, *, samples_per_step: int, decoupled_lr: float | None = None,
-                 decoupled_min_lr: float | None = None, **kwargs):
+                 decoupled_min_lr: float | None = None, lev_lr_mult: float = 1.0, **kwargs):
         self.samples_per_step = samples_per_step
         # Kept here, not in the groups, so that a checkpoint's saved optimizer groups (loaded
         # after the schedule under ZeRO) cannot bring back an old decoupled rate.
         self.decoupled_lr, self.decoupled_min_lr = decoupled_lr, decoupled_min_lr
+        self.lev_lr_mult = lev_lr_mult
         for group in optimizer.param_groups:
             group.setdefault("wd_mult", 1.0 if group.get("weight_decay", 0.0) > 0 else 0.0)
         super().__init__(optimizer, **kwargs)
 
     def get_lr(self, param_group: dict) -> float:
-        """megatron-core's schedule; the --decoupled-lr groups run it between their own end points."""
+        """megatron-core's schedule; the --decoupled-lr groups run it between their own end points,
+        and the LEV generator's groups at --lev-lr-mult times their schedule."""
+        mult = self.lev_lr_mult if param_group.get(LEV_GROUP_KEY) else 1.0
         if param_group.get(DECOUPLED_LR_KEY) and self.decoupled_lr is not None:
             ends = {"max_lr": self.decoupled_lr}
             if self.decoupled_min_lr is not None:
                 ends["min_lr"] = self.decoupled_min_lr
-            return super().get_lr(ends)
-        return super().get_lr(param_group)
+            return mult * super().get_lr(ends)
+        return mult * super().get_lr(param_group)
 
     def state_dict(self) -> dict:
         state = super().state_dict()
         if self.decoupled_lr is not None:
             state.update(decoupled_lr=self.decoupled_lr, decoupled_min_lr=self.decoupled_min_lr)
+        if self.lev_lr_mult != 1.0:
+            state.update(lev_lr_mult=self.lev_lr_mult)
         return state
 
     def step(self, increment: int | None = None) -> None:
@@ -176,6 +198,8 @@ class LRScheduler(OptimizerParamScheduler):
                                                     "decoupled learning rate")
             self.decoupled_min_lr = self._check_and_set(self.decoupled_min_lr, state_dict.get("decoupled_min_lr"),
                                                         "decoupled minimum learning rate")
+        self.lev_lr_mult = self._check_and_set(self.lev_lr_mult, state_dict.get("lev_lr_mult", 1.0),
+                                               "LEV generator learning-rate multiplier")
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, args) -> LRScheduler:
@@ -183,7 +207,8 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, args) -> LRScheduler:
     return LRScheduler(
         optimizer, samples_per_step=args.global_batch_size, init_lr=args.lr_warmup_init, max_lr=args.lr,
         min_lr=args.min_lr, decoupled_lr=getattr(args, "decoupled_lr", None),
-        decoupled_min_lr=getattr(args, "decoupled_min_lr", None), lr_warmup_steps=args.lr_warmup_steps, lr_decay_steps=args.lr_decay_steps,
+        decoupled_min_lr=getattr(args, "decoupled_min_lr", None), lev_lr_mult=getattr(args, "lev_lr_mult", 1.0),
+        lr_warmup_steps=args.lr_warmup_steps, lr_decay_steps=args.lr_decay_steps,
         lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
         wd_incr_steps=args.wd_incr_steps, wd_incr_style=args.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
@@ -197,7 +222,7 @@ SCHEDULE_FIELDS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "-
                    "start_wd": "--start-weight-decay", "end_wd": "--end-weight-decay",
                    "wd_incr_steps": "the run length (weight-decay increment)",
                    "wd_incr_style": "--weight-decay-incr-style", "decoupled_lr": "--decoupled-lr",
-                   "decoupled_min_lr": "--decoupled-min-lr"}
+                   "decoupled_min_lr": "--decoupled-min-lr", "lev_lr_mult": "--lev-lr-mult"}
 
 
 def schedule_state(training: dict) -> dict:
@@ -207,7 +232,8 @@ def schedule_state(training: dict) -> dict:
             "start_wd": training["start_weight_decay"], "end_wd": training["end_weight_decay"],
             "wd_incr_steps": training["wd_incr_steps"], "wd_incr_style": training["weight_decay_incr_style"],
             # absent from checkpoints that predate the flags: no decoupled rate
-            "decoupled_lr": training.get("decoupled_lr"), "decoupled_min_lr": training.get("decoupled_min_lr")}
+            "decoupled_lr": training.get("decoupled_lr"), "decoupled_min_lr": training.get("decoupled_min_lr"),
+            "lev_lr_mult": training.get("lev_lr_mult", 1.0)}
 
 
 def schedule_mismatch(saved_training: dict, training: dict) -> list[str]:

@@ -298,6 +298,9 @@ class Trainer:
             "skipped_steps": st.skipped_steps,
             "skipped_in_interval": stats.skipped,
         }
+        families = getattr(getattr(self.engine, "optimizer", None), "family_grad_norms", None)
+        if families:  # --lev-clip-grad: each family's norm before its own clipping (training/clipping.py)
+            record.update({f"{name}_grad_norm": float(norm) for name, norm in families.items()})
         self.metrics.write(record, st.iteration)
         if self.rank == 0:
             line = megatron_log_line(record, args, stats)

@@ -236,14 +236,23 @@ def check_resume_schedule(args, saved: dict, config: dict) -> None:
     --lr, ...) is refused unless --override-opt_param-scheduler (use the flags) or
     --use-checkpoint-opt_param-scheduler (keep the checkpoint's) says which one wins.
     Weights-only loads (--no-load-optim) follow the flags' schedule (the trainer re-steps it).
-    Turning --decoupled-lr on or off changes the optimizer's parameter groups, which no flag
-    can reconcile with the saved moments: that needs --no-load-optim."""
+    Turning --decoupled-lr (or the LEV generator's own groups) on or off changes the optimizer's
+    parameter groups, which no flag can reconcile with the saved moments: that needs --no-load-optim."""
     then, now = saved.get("training", {}).get("decoupled_lr"), config["training"].get("decoupled_lr")
     if not args.no_load_optim and (then is None) != (now is None):
         raise ConfigError(f"--load {args.load}: the checkpoint's optimizer was saved "
                           f"{'with --decoupled-lr ' + str(then) if then is not None else 'without --decoupled-lr'} "
                           f"and this run {'sets --decoupled-lr ' + str(now) if now is not None else 'does not'}: "
                           f"its parameter groups differ; keep the checkpoint's setting or add --no-load-optim")
+    def generator_apart(training: dict) -> bool:  # engine.lev_groups_apart on a saved config
+        return training.get("lev_lr_mult", 1.0) != 1.0 or training.get("lev_clip_grad") is not None
+
+    then, now = generator_apart(saved.get("training", {})), generator_apart(config["training"])
+    if not args.no_load_optim and then != now:
+        raise ConfigError(f"--load {args.load}: the checkpoint's optimizer was saved {'with' if then else 'without'} "
+                          f"the LEV generator in groups of its own (--lev-lr-mult / --lev-clip-grad) and this run "
+                          f"{'puts it there' if now else 'does not'}: its parameter groups differ; keep the "
+                          "checkpoint's setting or add --no-load-optim")
     if args.no_load_optim or args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
         return
     changed = schedule_mismatch(saved.get("training", {}), config["training"])
