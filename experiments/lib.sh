@@ -20,13 +20,15 @@ train_run() {
     shift 3
     finished "$run" "$steps" && return 0
     mkdir -p "$run"
-    # Another instance of the script may be training this run: its trainer's pid is in
-    # .train.pid; skip the run while that process lives.
+    # Another instance of the script (or an earlier one, stopped and started again) may be
+    # training this run: its trainer's pid is in .train.pid. Wait for that process, holding this
+    # lane, then go on from its checkpoint unless it finished.
     local owner
     owner=$(cat "$run/.train.pid" 2>/dev/null || true)
     if [[ -n $owner ]] && kill -0 "$owner" 2>/dev/null; then
-        banner "skip $name: being trained by process $owner"
-        return 0
+        banner "$name: being trained by process $owner; waiting for it"
+        while kill -0 "$owner" 2>/dev/null; do sleep 20; done
+        finished "$run" "$steps" && return 0
     fi
     local cmd=("$py" -m megatron_lev.train "$@"
         --train-iters "$steps" --save "$run" --load "$run" --save-interval 400 --keep-last-checkpoints 1

@@ -12,7 +12,8 @@
 # run gets (lib.sh train_run: validation every 50 steps on 8 batches, a checkpoint every 400),
 # the data, --seed SEED and the plan's flags. Its train.log starts with the commit and the command.
 # The plan is read again each time a lane frees, so lines appended meanwhile are picked up;
-# finished runs are skipped and an interrupted one resumes from its checkpoint.
+# finished runs are skipped and an interrupted one resumes from its checkpoint. A queue started
+# again adopts the runs a stopped one left training (lib.sh train_run waits for them in a lane).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 py=${PYTHON:-$repo/.venv/bin/python}
@@ -79,8 +80,13 @@ if [[ $status == 1 ]]; then
     exit 0
 fi
 
-commit=$(git -C "$repo" rev-parse HEAD 2>/dev/null || echo unknown)
-[[ -z $(git -C "$repo" status --porcelain --untracked-files=no 2>/dev/null) ]] || commit="$commit (with uncommitted changes)"
+# The commit the code is at now (the queue reads a job's code when the job starts).
+current_commit() {
+    local commit
+    commit=$(git -C "$repo" rev-parse HEAD 2>/dev/null || echo unknown)
+    [[ -z $(git -C "$repo" status --porcelain --untracked-files=no 2>/dev/null) ]] || commit="$commit (with uncommitted changes)"
+    echo "$commit"
+}
 
 one_job() {  # NAME STEPS CONFIG SEED FLAGS...
     local name=$1 steps=$2 config=$3 seed=$4 vocab data run
@@ -89,7 +95,7 @@ one_job() {  # NAME STEPS CONFIG SEED FLAGS...
     data=$out/v$vocab
     run=$data/runs/$name
     mkdir -p "$run"
-    echo "# experiments/queue.sh --plan $plan, line '$name', at commit $commit" >> "$run/train.log"
+    echo "# experiments/queue.sh --plan $plan, line '$name', at commit $(current_commit)" >> "$run/train.log"
     train_run "$name" "$run" "$steps" --config "$repo/experiments/configs/$config.yaml" --seed "$seed" \
         --data-path "$data/data/stdlib_text_document" --split 95,5,0 --data-cache-path "$data/cache" \
         --tokenizer-type SentencePieceTokenizer --tokenizer-model "$data/tokenizer/spm.model" "$@"
@@ -97,7 +103,7 @@ one_job() {  # NAME STEPS CONFIG SEED FLAGS...
 
 declare -A started  # run folders this queue has started
 failed=0
-banner "queue: $plan -> $out, $lanes lanes, commit $commit"
+banner "queue: $plan -> $out, $lanes lanes, commit $(current_commit)"
 while true; do
     while (( $(jobs -rp | wc -l) < lanes )); do
         next=""
