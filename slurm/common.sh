@@ -144,6 +144,60 @@ resolve_aliases() {
     done
 }
 
+# Trainer flags that the scripts pass from a variable. Typed in EXTRA_ARGS as well, the trainer
+# would take EXTRA_ARGS's value (argparse keeps the last one) while the batch arithmetic, the
+# log, `--load` and the requeue went by the variable's. So such a flag is taken as the
+# variable's value and passed once; when the variable says otherwise, the job is refused.
+# "--flag:VAR" takes a value; "--flag:VAR=V" is a switch that means VAR=V.
+EXTRA_ARGS_VARIABLES=(--micro-batch-size:MICRO_BATCH --global-batch-size:GLOBAL_BATCH --seq-length:SEQ_LENGTH
+    --tensor-model-parallel-size:TP --pipeline-model-parallel-size:PP --train-tokens:TRAIN_TOKENS
+    --train-iters:TRAIN_ITERS --exit-interval:EXIT_INTERVAL --save-interval:SAVE_INTERVAL
+    --log-interval:LOG_INTERVAL --tensorboard-dir:TENSORBOARD_DIR --deepspeed-config:DEEPSPEED_CONFIG
+    --deepspeed_config:DEEPSPEED_CONFIG --gpu-type:GPU_TYPE --config:CONFIG --save:CHECKPOINT_DIR
+    --load:CHECKPOINT_DIR --tokenizer-type:TOKENIZER_TYPE --tokenizer-model:TOKENIZER_MODEL
+    --vocab-file:VOCAB_FILE --merge-file:MERGE_FILE --bf16:BF16=1 --no-bf16:BF16=0
+    --compile-layers:COMPILE_LAYERS=1 --no-compile-layers:COMPILE_LAYERS=0)
+# Blends (several values each) are only taken from their variables, which check every prefix.
+EXTRA_ARGS_REFUSED=(--data-path:DATA_PATH --train-data-path:DATA_PATH --valid-data-path:VALID_DATA_PATH
+    --test-data-path:TEST_DATA_PATH)
+
+# Sets the variables of the flags above from EXTRA_ARGS, and EXTRA_WORDS to the rest of it.
+take_extra_args() {
+    local -a words=()
+    read -r -a words <<<"${EXTRA_ARGS:-}"
+    EXTRA_WORDS=()
+    local i=0 word name entry var value switch_value
+    while ((i < ${#words[@]})); do
+        word=${words[i]} i=$((i + 1))
+        name=${word%%=*} var=""
+        for entry in "${EXTRA_ARGS_REFUSED[@]}"; do
+            [[ ${entry%%:*} != "$name" ]] \
+                || die "EXTRA_ARGS passes $name: set ${entry#*:} instead (the script passes $name from it)"
+        done
+        for entry in "${EXTRA_ARGS_VARIABLES[@]}"; do
+            if [[ ${entry%%:*} == "$name" ]]; then var=${entry#*:} && break; fi
+        done
+        if [[ -z $var ]]; then EXTRA_WORDS+=("$word") && continue; fi
+        switch_value=""
+        if [[ $var == *=* ]]; then switch_value=${var#*=} var=${var%%=*}; fi
+        if [[ -n $switch_value ]]; then
+            [[ $word == "$name" ]] || die "EXTRA_ARGS: $name takes no value ($word)"
+            value=$switch_value
+        elif [[ $word == *=* ]]; then
+            value=${word#*=}
+        elif ((i < ${#words[@]})) && [[ ${words[i]} != --* ]]; then
+            value=${words[i]} i=$((i + 1))
+        else
+            die "EXTRA_ARGS: $name needs a value"
+        fi
+        if [[ -n ${!var:-} && ${!var} != "$value" ]]; then
+            [[ -n $switch_value ]] || name+=" $value"
+            die "EXTRA_ARGS passes $name, but $var=${!var}: set one of them (the script passes this flag from $var)"
+        fi
+        printf -v "$var" '%s' "$value"
+    done
+}
+
 # GPUs per node of the allocation, and where that number comes from: Slurm's
 # SLURM_GPUS_ON_NODE, else SLURM_GPUS_PER_NODE ("8" or "h100:8"), else, inside a job,
 # nvidia-smi's count. Both empty when unknown (a dry run on a login node).
@@ -304,7 +358,7 @@ export_runtime_env() {
 
 # Build the arrays `train_args`, `torchrun_cmd`, `srun_cmd` from the environment.
 build_commands() {
-    local -a data=() valid=() test=() extra=()
+    local -a data=() valid=() test=()
     read -r -a data <<<"$DATA_PATH"
     read -r -a valid <<<"${VALID_DATA_PATH:-}"
     read -r -a test <<<"${TEST_DATA_PATH:-}"
@@ -341,8 +395,7 @@ build_commands() {
     # compilation happens in the first step, and the log reports its time.
     if [[ $COMPILE_LAYERS == 1 ]]; then train_args+=(--compile-layers); else train_args+=(--no-compile-layers); fi
     if [[ $BF16 == 1 ]]; then train_args+=(--bf16); else train_args+=(--no-bf16); fi
-    read -r -a extra <<<"${EXTRA_ARGS:-}"
-    train_args+=("${extra[@]}")
+    train_args+=("${EXTRA_WORDS[@]}")  # EXTRA_ARGS less the flags taken above (take_extra_args)
 
     torchrun_cmd=(
         torchrun
@@ -434,6 +487,8 @@ launch_training() {
     # the accelerator itself; a site that needs to force one sets it in SITE_ENV.
     unset DS_ACCELERATOR
     setup_python_env
+    resolve_aliases
+    take_extra_args
     [[ -n ${CONFIG:-} ]] || die "CONFIG is not set (the sbatch script sets it)"
     [[ -n ${DATA_PATH:-} ]] || die "DATA_PATH is not set: export DATA_PATH=\"PREFIX\" or a blend \"W1 PREFIX1 W2 PREFIX2\" (tools/make_blend.py prints one)"
     tokenizer_flags
@@ -441,7 +496,6 @@ launch_training() {
     [[ -z ${VALID_DATA_PATH:-} ]] || check_blend VALID_DATA_PATH "$VALID_DATA_PATH"
     [[ -z ${TEST_DATA_PATH:-} ]] || check_blend TEST_DATA_PATH "$TEST_DATA_PATH"
 
-    resolve_aliases
     : "${GPU_TYPE:=h100}"
     resolve_config
     gpu_defaults

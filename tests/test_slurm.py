@@ -27,11 +27,12 @@ SCRIPT_VARS = (
 ).split()
 
 
-def script_env(**overrides) -> dict:
+def script_env(shims: bool = True, **overrides) -> dict:
     """The environment a batch script sees: no Slurm job unless the test says so, the shims
-    first on PATH, this interpreter's environment active."""
+    first on PATH (not for a real Slurm: shims=False), this interpreter's environment active."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in SCRIPT_VARS}
-    env["PATH"] = os.pathsep.join([str(SHIMS), str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PATH"] = os.pathsep.join([*([str(SHIMS)] if shims else []), str(Path(sys.executable).parent),
+                                   env.get("PATH", "")])
     env["VIRTUAL_ENV"] = sys.prefix
     env.update({k: str(v) for k, v in overrides.items()})
     return env
@@ -224,7 +225,22 @@ def test_batch_arithmetic_for_every_node_count(tmp_path, fake_inputs):
     ({"EXTRA_ARGS": "--lr 3e-4 --lr-warmup-iter 100"},
      'slurm: error: the trainer refuses its flags (EXTRA_ARGS="--lr 3e-4 --lr-warmup-iter 100"): unrecognized '
      "argument --lr-warmup-iter (did you mean --lr-warmup-iters?)\n"),
-    ({"EXTRA_ARGS": "--micro-batch-size 3"}, "--global-batch-size 512 must be a multiple of --micro-batch-size 3"),
+    # EXTRA_ARGS's batch flags are the batch (test_extra_args_batch_flags_are_the_batch): checked as such.
+    ({"EXTRA_ARGS": "--micro-batch-size 3"}, "slurm: error: MICRO_BATCH=3 does not divide the 64 sequences per "
+     "data-parallel rank (GLOBAL_BATCH=512 / DP=8): use MICRO_BATCH=2 or 4\n"),
+    # A flag the script passes from a variable, in EXTRA_ARGS too with another value.
+    ({"MICRO_BATCH_SIZE": 4, "EXTRA_ARGS": "--lr 3e-4 --micro-batch-size 2"},
+     "slurm: error: EXTRA_ARGS passes --micro-batch-size 2, but MICRO_BATCH=4: set one of them (the script passes "
+     "this flag from MICRO_BATCH)\n"),
+    ({"GLOBAL_BATCH": 64, "EXTRA_ARGS": "--global-batch-size=32"}, "EXTRA_ARGS passes --global-batch-size 32, but "
+     "GLOBAL_BATCH=64"),
+    ({"EXTRA_ARGS": "--config tiny-lev"}, "EXTRA_ARGS passes --config tiny-lev, but CONFIG=lev-1.2b"),
+    ({"BF16": 0, "EXTRA_ARGS": "--bf16"}, "EXTRA_ARGS passes --bf16, but BF16=0"),
+    ({"CHECKPOINT_DIR": None, "EXTRA_ARGS": "--save /scratch/a --load /scratch/b"}, "EXTRA_ARGS passes --load /scratch/b, but "
+     "CHECKPOINT_DIR=/scratch/a"),
+    ({"EXTRA_ARGS": "--global-batch-size --lr 3e-4"}, "slurm: error: EXTRA_ARGS: --global-batch-size needs a value\n"),
+    ({"EXTRA_ARGS": "--valid-data-path {a}"}, "slurm: error: EXTRA_ARGS passes --valid-data-path: set VALID_DATA_PATH "
+     "instead (the script passes --valid-data-path from it)\n"),
     ({"EXTRA_ARGS": "--zero-stage 5"}, "--zero-stage"),
 ])
 def test_clear_errors(fake_inputs, env, message):
@@ -240,6 +256,40 @@ def test_clear_errors(fake_inputs, env, message):
     assert message in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1  # one line
     assert proc.stdout == ""  # refused before anything is printed
+
+
+def test_extra_args_batch_flags_are_the_batch(fake_inputs):
+    """Megatron-LM users put the batch flags in EXTRA_ARGS: they are the batch the log states
+    and the command passes, once (before, the command carried the script's pair and EXTRA_ARGS's,
+    argparse trained with the last, and the log printed the script's). The parallel sizes and the
+    checkpoint folder likewise."""
+    from megatron_lev.training.arguments import parse_args, validate_args
+
+    inputs = {k: v for k, v in fake_inputs.items() if k not in ("prefixes", "CHECKPOINT_DIR")}
+    proc = run_script("train_lev_1b.sh", DRY_RUN=1, GPUS_PER_NODE=4, BF16=0, **inputs, EXTRA_ARGS=(
+        "--micro-batch-size 2 --lr 3e-4 --global-batch-size=16 --tensor-model-parallel-size 2 --no-bf16 "
+        "--save /scratch/run"))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert ("# Batch: DP=2 x MICRO_BATCH=2 x ACCUMULATION=4 = GLOBAL_BATCH=16 sequences of 512 tokens per step"
+            in lines)
+    assert "# Checkpoints (--save, and --load to resume): /scratch/run" in lines
+    (cmd,) = [shlex.split(l) for l in lines if l.startswith("torchrun ")]
+    for name, value in [("--micro-batch-size", "2"), ("--global-batch-size", "16"),
+                        ("--tensor-model-parallel-size", "2"), ("--save", "/scratch/run"), ("--load", "/scratch/run")]:
+        assert (cmd.count(name), flag(cmd, name)) == (1, [value]), name
+    assert cmd.count("--no-bf16") == 1 and "--bf16" not in cmd and "--global-batch-size=16" not in cmd
+    assert cmd[-2:] == ["--lr", "3e-4"]  # the rest of EXTRA_ARGS, as given
+    args = validate_args(parse_args(cmd[cmd.index("-m") + 2:]), world_size=4)
+    assert (args.micro_batch_size, args.global_batch_size, args.gradient_accumulation_steps) == (2, 16, 4)
+    assert (args.data_parallel_size, args.tensor_model_parallel_size) == (2, 2)
+
+    # The same value in a variable and in EXTRA_ARGS is no conflict.
+    proc = run_script("train_lev_1b.sh", DRY_RUN=1, GPUS_PER_NODE=2, MICRO_BATCH=2, GLOBAL_BATCH=4, **inputs,
+                      EXTRA_ARGS="--micro-batch-size 2 --global-batch-size 4")
+    assert proc.returncode == 0, proc.stderr
+    assert "# Batch: DP=2 x MICRO_BATCH=2 x ACCUMULATION=1 = GLOBAL_BATCH=4 sequences of 512 tokens per step" in (
+        proc.stdout.splitlines())
 
 
 def test_megatron_names_and_switches(fake_inputs):

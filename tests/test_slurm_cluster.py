@@ -1,0 +1,250 @@
+"""The users' own commands under a real Slurm: `sbatch slurm/train_lev_1b.sh` and
+`slurm/preprocess_pile.sh` on the single-node cluster of the `slurm_cluster` fixture (munged,
+slurmctld and slurmd on this machine; tests/slurm_cluster.py), as docs/slurm.md's CPU smoke test
+runs them: `--gres=none`, DeepSpeed's CPU accelerator from SITE_ENV, `tiny-lev` on 2 CPU ranks.
+
+A run trains and checkpoints; USR1 through `scancel --signal=USR1 --batch` checkpoints, requeues,
+and the job resumes at the next iteration with the same learning rates and losses as the
+uninterrupted run; `scancel` then stops it with `latest` intact; preprocessing runs as a job
+array; a dry run prints what it prints through the shims, and a bad EXTRA_ARGS is refused in the
+same line."""
+from __future__ import annotations
+
+import shlex
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import free_port
+from tests.test_slurm import REPO, flag, run_script, script_env
+from tests.test_slurm_jobs import _run_config, _training_records
+
+TRAIN_ITERS = 60  # the schedule of both runs; the interrupted one is stopped long before
+SAVE_INTERVAL = 5
+SBATCH = "slurm/train_lev_1b.sh"
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+class Job:
+    """One submitted job: its id, its files and the texts to show when a test fails."""
+
+    def __init__(self, cluster, env: dict, folder: Path, sbatch_args: list, script: str = SBATCH,
+                 output: str = "%x-%j.out"):
+        self.cluster, self.env, self.folder = cluster, env, folder
+        self.ckpt, self.log_root = Path(env.get("CHECKPOINT_DIR", folder / "ckpt")), Path(env.get("LOG_ROOT", folder))
+        self.id = cluster.sbatch([*sbatch_args, f"--output={folder}/{output}", script], env=env, cwd=REPO)
+
+    def out(self) -> str:
+        return "".join(_read(p) for p in sorted(self.folder.glob(f"*-{self.id}.out")))
+
+    def node_log(self, restart: int) -> str:
+        return "".join(_read(p) for p in sorted(self.log_root.glob(f"*-{self.id}/restart{restart}-node*.log")))
+
+    def logs(self) -> str:
+        text = f"--- batch output of job {self.id}\n{self.out()[-4000:]}"
+        for path in sorted(self.log_root.glob(f"*-{self.id}/restart*-node*.log")):
+            text += f"\n--- {path.name} (tail)\n" + "\n".join(_read(path).splitlines()[-30:])
+        return text
+
+    def records(self) -> list[dict]:
+        return _training_records(self.ckpt / "metrics.jsonl")
+
+    def latest(self) -> str:
+        return _read(self.ckpt / "latest").strip()
+
+    def wait_for(self, predicate, timeout: float, what: str) -> dict:
+        return self.cluster.wait_for(self.id, predicate, timeout, what, self.logs)
+
+    def wait_finished(self, timeout: float) -> dict:
+        return self.cluster.wait_finished(self.id, timeout, self.logs)
+
+
+@pytest.fixture(scope="module")
+def cpu_smoke_env(slurm_cluster, tmp_path_factory, tiny_dataset, spm_tokenizer):
+    """docs/slurm.md's CPU smoke test: the variables of a tiny-lev run on 2 CPU ranks."""
+    folder = tmp_path_factory.mktemp("cpu_smoke")
+    site_env = folder / "site_env.sh"
+    site_env.write_text("export DS_ACCELERATOR=cpu  # DeepSpeed on the CPU: the nodes have no GPU\n")
+    return dict(CONFIG="tiny-lev", GPUS_PER_NODE=2, SITE_ENV=str(site_env), BF16=0, COMPILE_LAYERS=0,
+                TRAIN_ITERS=TRAIN_ITERS, SAVE_INTERVAL=SAVE_INTERVAL, LOG_INTERVAL=1, OMP_NUM_THREADS=1,
+                DATA_PATH=tiny_dataset, TOKENIZER_MODEL=spm_tokenizer,
+                EXTRA_ARGS="--split 90,8,2 --eval-interval 100000 --eval-iters 1")
+
+
+def _submit_training(cluster, tmp_path_factory, name: str, **variables) -> Job:
+    folder = tmp_path_factory.mktemp(name)
+    env = cluster.env(script_env(shims=False, CHECKPOINT_DIR=folder / "ckpt", LOG_ROOT=folder / "logs",
+                                 MASTER_PORT=free_port(), **variables))
+    return Job(cluster, env, folder, ["--gres=none"])
+
+
+@pytest.fixture(scope="module")
+def preempted_job(slurm_cluster, cpu_smoke_env, tmp_path_factory):
+    """The batch flags in EXTRA_ARGS, as Megatron-LM users write them. After the first
+    checkpoint: USR1 to the batch shell (`scancel --signal=USR1 --batch`, what Slurm does before
+    the time limit); the requeued job is released and resumes; 3 iterations later a plain
+    `scancel` stops it. Returns what the tests check."""
+    env = {**cpu_smoke_env, "EXTRA_ARGS": "--micro-batch-size 2 --global-batch-size 4 " + cpu_smoke_env["EXTRA_ARGS"]}
+    job = _submit_training(slurm_cluster, tmp_path_factory, "preempted", **env)
+    result = {"job": job}
+    job.wait_for(lambda j: job.latest() or j["JobState"] not in ("PENDING", "RUNNING"), 600, "the first checkpoint")
+    assert job.latest(), f"the job ended before its first checkpoint\n{job.logs()}"
+    slurm_cluster.client(["scancel", "--signal=USR1", "--batch", str(job.id)])
+    # Slurm holds a requeued job until its credential expires (AuthInfo cred_expire, 120 s).
+    result["requeued"] = job.wait_for(
+        lambda j: (j["JobState"], j["Restarts"], j["Reason"]) == ("PENDING", "1", "BeginTime"), 300, "the requeue")
+    result["out0"], result["node0"], result["first"] = job.out(), job.node_log(0), job.records()
+    result["latest0"] = job.latest()
+    stopped_at = result["first"][-1]["iteration"] if result["first"] else 0
+    slurm_cluster.client(["scontrol", "update", f"JobId={job.id}", "StartTime=now"])
+    job.wait_for(lambda j: any(r["iteration"] >= stopped_at + 3 for r in job.records())
+                 or j["JobState"] not in ("PENDING", "RUNNING"), 600, f"iteration {stopped_at + 3} after the resume")
+    slurm_cluster.client(["scancel", str(job.id)])
+    result["final"] = job.wait_finished(300)
+    result["records"], result["latest1"], result["out1"], result["node1"] = (
+        job.records(), job.latest(), job.out(), job.node_log(1))
+    return result
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_job(slurm_cluster, cpu_smoke_env, tmp_path_factory):
+    """The same run, from start to end, with the batch from MICRO_BATCH and GLOBAL_BATCH."""
+    job = _submit_training(slurm_cluster, tmp_path_factory, "uninterrupted", MICRO_BATCH=2, GLOBAL_BATCH=4,
+                           **cpu_smoke_env)
+    return {"job": job, "final": job.wait_finished(900)}
+
+
+def test_sbatch_trains_on_two_cpu_ranks_and_checkpoints(uninterrupted_job):
+    job, final = uninterrupted_job["job"], uninterrupted_job["final"]
+    assert (final["JobState"], final["ExitCode"]) == ("COMPLETED", "0:0"), job.logs()
+    out = job.out()
+    assert "batch: DP=2 x MICRO_BATCH=2 x ACCUMULATION=1 = GLOBAL_BATCH=4 sequences of 64 tokens per step" in out
+    (srun,) = [shlex.split(l.split(": ", 1)[1]) for l in out.splitlines() if l.startswith("srun command: ")]
+    assert srun[srun.index("--cpus-per-task") + 1] == final["NumCPUs"] == "2"  # the node's CPUs: --exclusive
+    assert flag(srun, "--nproc-per-node") == ["2"] and flag(srun, "--rdzv-endpoint")[0].startswith(job.cluster.node)
+    records = job.records()
+    assert [(r["iteration"], r["consumed_samples"]) for r in records] == [(i, 4 * i) for i in range(1, TRAIN_ITERS + 1)]
+    assert f"training done: {TRAIN_ITERS} iterations" in job.node_log(0)
+    assert job.latest() == f"iter_{TRAIN_ITERS:07d}"
+    from megatron_lev.checkpointing.catalog import complete_checkpoints
+
+    saved = [iteration for iteration, _ in complete_checkpoints(str(job.ckpt))]
+    assert sorted(saved) == list(range(SAVE_INTERVAL, TRAIN_ITERS + 1, SAVE_INTERVAL))
+    training = _run_config(job.ckpt)["training"]
+    assert (training["data_parallel_size"], training["micro_batch_size"], training["global_batch_size"]) == (2, 2, 4)
+
+
+def test_usr1_checkpoints_requeues_and_resumes_at_the_next_iteration(preempted_job, uninterrupted_job):
+    job = preempted_job["job"]
+    first = preempted_job["first"]
+    assert first, job.logs()
+    stopped_at = first[-1]["iteration"]
+    assert SAVE_INTERVAL <= stopped_at < TRAIN_ITERS
+    # The batch flags of EXTRA_ARGS are the batch the log states, and the command passes them once.
+    out0 = preempted_job["out0"]
+    assert "batch: DP=2 x MICRO_BATCH=2 x ACCUMULATION=1 = GLOBAL_BATCH=4 sequences of 64 tokens per step" in out0
+    srun = shlex.split(next(l for l in out0.splitlines() if l.startswith("srun command: ")).split(": ", 1)[1])
+    assert (srun.count("--micro-batch-size"), srun.count("--global-batch-size")) == (1, 1)
+    assert (flag(srun, "--micro-batch-size"), flag(srun, "--global-batch-size")) == (["2"], ["4"])
+    # USR1: a checkpoint at the step it stopped, then the requeue; Slurm holds the job a while.
+    assert "USR1: the time limit is near" in out0 and f"requeueing job {job.id}" in out0
+    assert f"exiting at iteration {stopped_at} (signal)" in preempted_job["node0"]
+    assert preempted_job["latest0"] == f"iter_{stopped_at:07d}"
+    requeued = preempted_job["requeued"]
+    held = datetime.fromisoformat(requeued["EligibleTime"]) - datetime.fromisoformat(requeued["SubmitTime"])
+    assert held.total_seconds() >= 100, requeued  # about 2 minutes (docs/slurm.md), then released by hand
+    # The second start resumed from that checkpoint and went on at the next iteration.
+    launch = _read(next(job.log_root.glob(f"*-{job.id}/launch.log")))
+    assert f"restart 1 on {job.cluster.node}; resuming from checkpoint: iter_{stopped_at:07d}" in launch
+    assert f"resumed from {job.ckpt}/iter_{stopped_at:07d} at iteration {stopped_at}" in preempted_job["node1"]
+    records = preempted_job["records"]
+    last = records[-1]["iteration"]
+    assert last >= stopped_at + 3
+    assert [r["iteration"] for r in records] == list(range(1, last + 1))
+    assert records[:stopped_at] == first
+    # The same learning rates and losses as the run nobody interrupted, before and after the resume.
+    reference = {r["iteration"]: r for r in uninterrupted_job["job"].records()}
+    for key in ("consumed_samples", "lr", "loss"):
+        assert [r[key] for r in records] == [reference[r["iteration"]][key] for r in records], key
+
+
+def test_scancel_stops_the_job_with_latest_intact(preempted_job):
+    """A plain `scancel`: Slurm sends SIGTERM to every process of the job (SIGKILL KillWait
+    seconds later); the trainers checkpoint at the next step, the batch shell does not requeue."""
+    from megatron_lev.checkpointing.catalog import complete_checkpoints, is_complete
+
+    job, final = preempted_job["job"], preempted_job["final"]
+    assert (final["JobState"], final["Restarts"]) == ("CANCELLED", "1"), job.logs()
+    assert "TERM: asking the trainer to checkpoint and exit (no requeue)" in preempted_job["out1"]
+    assert "not requeueing after SIGTERM" in preempted_job["out1"]
+    stopped_at = preempted_job["records"][-1]["iteration"]
+    assert f"exiting at iteration {stopped_at} (signal)" in preempted_job["node1"]
+    assert preempted_job["latest1"] == f"iter_{stopped_at:07d}" and is_complete(str(job.ckpt), preempted_job["latest1"])
+    # Every checkpoint folder there is complete: none was cut short.
+    folders = sorted(p.name for p in job.ckpt.glob("iter_*"))
+    assert folders == sorted(tag for _, tag in complete_checkpoints(str(job.ckpt)))
+
+
+def test_preprocess_pile_as_a_job_array(slurm_cluster, tmp_path, python_corpus, spm_tokenizer, tiny_dataset):
+    """Array tasks 0 (train shard 00), 1 (shard 01, absent) and 30 (val), one CPU each: the two
+    present shards tokenize to the very bytes of tests' own preprocessing of the same corpus;
+    the absent one fails alone, in one line."""
+    pile, out = tmp_path / "pile", tmp_path / "tok"
+    (pile / "train").mkdir(parents=True)
+    (pile / "train" / "00.jsonl.zst").symlink_to(python_corpus)
+    (pile / "val.jsonl.zst").symlink_to(python_corpus)
+    env = slurm_cluster.env(script_env(shims=False, PILE_DIR=pile, OUTPUT_DIR=out, TOKENIZER_MODEL=spm_tokenizer))
+    job = Job(slurm_cluster, env, tmp_path, ["--array=0,1,30", "--cpus-per-task=1"], "slurm/preprocess_pile.sh",
+              output="%x-%A_%a.out")
+    states = {task: slurm_cluster.wait_finished(f"{job.id}_{task}", 600) for task in (0, 1, 30)}
+    outputs = {task: _read(tmp_path / f"preprocess-pile-{job.id}_{task}.out") for task in (0, 1, 30)}
+    assert [(states[t]["JobState"], states[t]["ExitCode"]) for t in (0, 1, 30)] == [
+        ("COMPLETED", "0:0"), ("FAILED", "1:0"), ("COMPLETED", "0:0")], outputs
+    assert outputs[1] == f"slurm: error: task 1: input {pile}/train/01.jsonl.zst does not exist (PILE_DIR={pile})\n"
+    expected = Path(tiny_dataset + ".bin").read_bytes()
+    for prefix in (out / "train" / "pile_00_text_document", out / "val" / "pile_val_text_document"):
+        assert Path(f"{prefix}.bin").read_bytes() == expected, prefix
+        assert Path(f"{prefix}.idx").read_bytes() == Path(tiny_dataset + ".idx").read_bytes(), prefix
+
+
+def test_dry_run_and_refusal_as_under_the_shims(slurm_cluster, tmp_path, tiny_dataset, spm_tokenizer):
+    """On a real allocation (shared: --oversubscribe, one CPU) DRY_RUN=1 prints exactly what the
+    shims print for the same job id, host and CPUs, and launches nothing; a typo in EXTRA_ARGS
+    ends the job with the shims' one-line refusal. Without `--gres=none` sbatch itself refuses
+    the header's `--gres=gpu:8` here (no GPUs)."""
+    variables = dict(DATA_PATH=tiny_dataset, TOKENIZER_MODEL=spm_tokenizer, CHECKPOINT_DIR=tmp_path / "ckpt",
+                     LOG_ROOT=tmp_path / "logs")
+    env = slurm_cluster.env(script_env(shims=False, DRY_RUN=1, **variables))
+    dry = Job(slurm_cluster, env, tmp_path, ["--gres=none", "--oversubscribe", "--cpus-per-task=1"])
+    final = dry.wait_finished(300)
+    assert (final["JobState"], final["ExitCode"], final["OverSubscribe"], final["NumCPUs"]) == (
+        "COMPLETED", "0:0", "YES", "1"), dry.logs()
+    node = slurm_cluster.node
+    shim = run_script("train_lev_1b.sh", DRY_RUN=1, SLURM_JOB_ID=dry.id, SLURM_JOB_NUM_NODES=1,
+                      SLURM_JOB_NODELIST=node, SLURM_JOB_NAME="lev-1.2b", SLURM_CPUS_ON_NODE=1, **variables)
+    assert (shim.returncode, shim.stderr) == (0, "")
+    assert dry.out() == shim.stdout
+    (torchrun, *_) = [shlex.split(l) for l in shim.stdout.splitlines() if l.startswith("torchrun ")]
+    assert flag(torchrun, "--rdzv-endpoint") == [f"{node}:{10000 + dry.id % 50000}"]
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "ckpt").exists()
+
+    typo = {**variables, "EXTRA_ARGS": "--lr 3e-4 --lr-warmup-iter 100"}
+    (tmp_path / "refused").mkdir()
+    refused = Job(slurm_cluster, slurm_cluster.env(script_env(shims=False, **typo)), tmp_path / "refused",
+                  ["--gres=none"])
+    final = refused.wait_finished(300)
+    assert (final["JobState"], final["ExitCode"]) == ("FAILED", "1:0"), refused.logs()
+    shim = run_script("train_lev_1b.sh", DRY_RUN=1, **typo)
+    assert shim.returncode == 1 and shim.stderr.count("\n") == 1
+    assert refused.out() == shim.stderr == ('slurm: error: the trainer refuses its flags (EXTRA_ARGS="--lr 3e-4 '
+                                            '--lr-warmup-iter 100"): unrecognized argument --lr-warmup-iter (did you '
+                                            "mean --lr-warmup-iters?)\n")
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "ckpt").exists()
+
+    proc = slurm_cluster.client(["sbatch", "--parsable", f"--output={tmp_path}/%j.out", SBATCH],
+                                env=slurm_cluster.env(script_env(shims=False, **variables)), cwd=REPO, check=False)
+    assert (proc.returncode, proc.stderr) == (1, "sbatch: error: Invalid generic resource (gres) specification\n")
