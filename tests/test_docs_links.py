@@ -33,7 +33,7 @@ TREE_DIRS = ("megatron_lev", "tools", "slurm", "docs", "tests", "benchmarks", "e
 PYTHONS = ("python", "python3")
 LAUNCHERS = ("sbatch", "srun", "env", "time", "flock", "nohup")
 # Flags of other programs that the docs quote (sbatch, torchrun, pip, pytest, ...).
-EXTERNAL_FLAGS = frozenset({"--index-url"})
+EXTERNAL_FLAGS = frozenset({"--index-url", "--oversubscribe"})
 # Megatron-LM's own pretrain_gpt.py flags (docs/megatron-lm.md quotes them), from the namespace its
 # parser built at core_v0.16.1 (tests/data/megatron_lm/pretrain_gpt_args.json): --dest, --no-dest,
 # and the flags that parser accepted when it was recorded (some names differ from their dest).
