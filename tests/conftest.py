@@ -43,29 +43,18 @@ def tiny_dataset(python_corpus, spm_tokenizer, tmp_path_factory) -> str:
 
 
 # --- a real Slurm cluster (tests/slurm_cluster.py), started once for the tests that use it ---
-# .ci/run sets MEGATRON_LEV_REQUIRE_SLURM=1: there a cluster that cannot start fails the tests
-# instead of skipping them. Elsewhere (no root, no apt-get) they are skipped, said in one line
-# at the end of the run; the scripts' tests through the shims (tests/test_slurm_jobs.py) run anyway.
 _slurm_report: list[str] = []
 
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """A running single-node SlurmCluster (munged, slurmctld, slurmd on this machine), stopped
-    at the end of the session; its `env()` gives the environment for sbatch and friends."""
-    from tests.slurm_cluster import ClusterUnavailable, SlurmCluster
+    at the end of the session; its `env()` gives the environment for sbatch and friends. Where
+    it cannot start the tests are skipped (the reason is the run's last line), or fail under
+    MEGATRON_LEV_REQUIRE_SLURM=1 (.ci/run)."""
+    from tests.slurm_cluster import start_for_tests
 
-    try:
-        cluster = SlurmCluster.start()
-    except ClusterUnavailable as exc:
-        reason = str(exc).splitlines()[0]
-        _slurm_report.append(f"real Slurm cluster not started: {reason}")
-        if os.environ.get("MEGATRON_LEV_REQUIRE_SLURM") == "1":
-            pytest.fail(f"MEGATRON_LEV_REQUIRE_SLURM=1 but the Slurm cluster did not start: {exc}")
-        pytest.skip(f"real Slurm cluster not started: {reason}")
-    installed = f"; slurm-wlm and munge installed in {cluster.install_s:.0f}s" if cluster.install_s else ""
-    _slurm_report.append(f"real Slurm cluster ({cluster.node_line.split(' UpTime=')[0]}) up in "
-                         f"{cluster.startup_s:.1f}s{installed}")
+    cluster = start_for_tests(_slurm_report)
     try:
         yield cluster
     finally:

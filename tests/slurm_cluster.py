@@ -7,7 +7,9 @@ task/none (no cgroups needed), no GRES. Everything it writes is in one temporary
 own munge key and socket, ports picked free, state and spool, so a system Slurm or munge on the
 same machine is left alone. `stop()` cancels the jobs, waits for them to end, stops the
 daemons and removes the folder. Where the cluster cannot start (not root, no apt-get, the
-install fails) `start()` raises `ClusterUnavailable` with a one-line reason.
+install fails) `start()` raises `ClusterUnavailable` with a one-line reason; `start_for_tests`
+turns that into a skip, or a failure where MEGATRON_LEV_REQUIRE_SLURM=1 (.ci/run sets it: CI
+runs as root with apt-get, so there the cluster must start).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+REQUIRE_VARIABLE = "MEGATRON_LEV_REQUIRE_SLURM"
 PACKAGES = ("slurm-wlm", "munge")
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo")
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -273,3 +276,23 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
     def wait_finished(self, job_id: int, timeout: float, logs=lambda: "") -> dict:
         return self.wait_for(job_id, lambda j: j.get("JobState") in FINISHED, timeout, "the job to end", logs)
+
+
+def start_for_tests(report: list[str]) -> SlurmCluster:
+    """SlurmCluster.start() for the `slurm_cluster` fixture: a line for the end of the run in
+    `report` (the cluster and its start-up time, or why it did not start), and a skip, or under
+    MEGATRON_LEV_REQUIRE_SLURM=1 a failure, when it cannot start."""
+    import pytest
+
+    try:
+        cluster = SlurmCluster.start()
+    except ClusterUnavailable as exc:
+        reason = f"real Slurm cluster not started: {str(exc).splitlines()[0]}"
+        report.append(reason)
+        if os.environ.get(REQUIRE_VARIABLE) == "1":
+            pytest.fail(f"{REQUIRE_VARIABLE}=1, and the {reason}\n{exc}", pytrace=False)
+        pytest.skip(reason)
+    installed = f"; {' and '.join(PACKAGES)} installed in {cluster.install_s:.0f}s" if cluster.install_s else ""
+    report.append(f"real Slurm cluster ({cluster.node_line.split(' UpTime=')[0]}) up in {cluster.startup_s:.1f}s"
+                  f"{installed}")
+    return cluster

@@ -248,3 +248,32 @@ def test_dry_run_and_refusal_as_under_the_shims(slurm_cluster, tmp_path, tiny_da
     proc = slurm_cluster.client(["sbatch", "--parsable", f"--output={tmp_path}/%j.out", SBATCH],
                                 env=slurm_cluster.env(script_env(shims=False, **variables)), cwd=REPO, check=False)
     assert (proc.returncode, proc.stderr) == (1, "sbatch: error: Invalid generic resource (gres) specification\n")
+
+
+def test_a_cluster_that_cannot_start_skips_in_one_line_or_fails_in_ci(monkeypatch):
+    """No root, or Slurm missing with no apt-get: one line says why; the tests are skipped,
+    or fail where MEGATRON_LEV_REQUIRE_SLURM=1 (.ci/run)."""
+    from tests import slurm_cluster
+
+    monkeypatch.delenv(slurm_cluster.REQUIRE_VARIABLE, raising=False)
+    monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 1000)
+    report = []
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        slurm_cluster.start_for_tests(report)
+    line = "real Slurm cluster not started: not root (uid 1000): slurmctld and slurmd run as root here"
+    assert (report, skipped.value.msg) == ([line], line)
+
+    monkeypatch.setattr(slurm_cluster, "_which", lambda program: None)
+    with pytest.raises(slurm_cluster.ClusterUnavailable, match="^munged, slurmctld, slurmd, sbatch, squeue, scontrol, "
+                       "scancel, sinfo not installed, and installing slurm-wlm and munge needs root$"):
+        slurm_cluster.install_packages()
+    monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 0)
+    with pytest.raises(slurm_cluster.ClusterUnavailable, match="and there is no apt-get to install slurm-wlm and munge$"):
+        slurm_cluster.install_packages()
+
+    monkeypatch.setenv(slurm_cluster.REQUIRE_VARIABLE, "1")
+    report = []
+    with pytest.raises(pytest.fail.Exception, match="^MEGATRON_LEV_REQUIRE_SLURM=1, and the real Slurm cluster not "
+                       "started: munged, slurmctld.* no apt-get"):
+        slurm_cluster.start_for_tests(report)
+    assert len(report) == 1
