@@ -6,7 +6,8 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # System packages the tests use, from the Debian/Ubuntu archive, installed when missing:
 # the shellcheck linter (tests/test_slurm.py lints every shell script) and Open MPI (a test trains
 # under mpirun; its headers let pip build mpi4py where no wheel fits). Before the Python
-# environment, which installs mpi4py.
+# environment, which installs mpi4py. Debian's slurm-wlm and munge, for the real Slurm of
+# tests/test_slurm_cluster.py, are installed by that test's fixture (tests/slurm_cluster.py).
 missing=()
 command -v shellcheck >/dev/null 2>&1 || missing+=(shellcheck)
 command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
