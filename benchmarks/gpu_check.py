@@ -317,7 +317,11 @@ def main(argv=None) -> dict:
     started = time.time()
     deadline = started + args.time_limit if args.time_limit else None
     device = torch.device(args.device)
-    report = {"check": "gpu_check", "stages_done": [], "stage_seconds": {}, "finished": False, "ok": False}
+    report = {"check": "gpu_check", "stages_done": [], "stage_seconds": {}, "finished": False, "ok": False,
+              "settings": {"time_limit_s": args.time_limit, "steps": args.steps,
+                           "allow_optimizer_fallback": args.allow_optimizer_fallback,
+                           **{name: os.environ.get(name) for name in ("PYTEST_DISABLE_PLUGIN_AUTOLOAD",
+                                                                      "TORCH_CUDA_ARCH_LIST", "TRITON_INTERPRET")}}}
     try:
         if args.device == "cuda" and not torch.cuda.is_available():
             raise SystemExit(f"gpu_check.py: torch {torch.__version__} sees no GPU (is it a CUDA build?); "
