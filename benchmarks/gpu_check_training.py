@@ -192,7 +192,7 @@ def train_interleaved(argvs: dict, world: int, rank: int, device, steps: int, ov
     from megatron_lev.training import optim
     from megatron_lev.training.flops import flops_model
 
-    kinds, engines, refs, batches = into.setdefault("kinds", {}), {}, {}, None
+    kinds, engines, refs, aux, batches = into.setdefault("kinds", {}), {}, {}, {}, None
     memory = into.setdefault("memory", {"allocated_before_bytes": allocated(device)})
     into["order"] = [kind for _, kind in interleaved_order(KINDS, steps)]
     caught = []
@@ -217,8 +217,8 @@ def train_interleaved(argvs: dict, world: int, rank: int, device, steps: int, ov
                         "deepspeed_config": args.deepspeed_config, "parameters": sum(
                             p.numel() for p in engines[kind].module.parameters()),
                         "optimizer": optimizer_record(engines[kind], fallbacks),
-                        "losses": [], "lrs": [], "step_times_s": [], "distinct_ids": [],
-                        "_compiled_before": compiled, "_flops_model": flops_model(model_config, seq)}
+                        "losses": [], "lrs": [], "step_times_s": [], "distinct_ids": []}
+                    aux[kind] = {"compiled_before": compiled, "flops_model": flops_model(model_config, seq)}
                 result = kinds[kind]
                 acc = result["gradient_accumulation_steps"]
                 step_batches = batches[step * acc:(step + 1) * acc]
@@ -255,21 +255,21 @@ def train_interleaved(argvs: dict, world: int, rank: int, device, steps: int, ov
         memory["engines_collected"] = {kind: ref() is None for kind, ref in refs.items()}
         if memory["allocated_before_bytes"] is not None:
             memory["left_allocated_bytes"] = allocated(device) - memory["allocated_before_bytes"]
-    for kind, result in kinds.items():
-        summarize_kind(kind, result, peak_flops, ceiling_flops, caught)
+    for kind, result in kinds.items():  # an interrupted run keeps its raw steps, unsummarised
+        summarize_kind(result, aux[kind], peak_flops, ceiling_flops, caught)
     if all(kind in kinds and kinds[kind]["step_times_s"] for kind in KINDS):
         into["lev_over_tied_step_time"] = step_time_ratio(kinds["lev"], kinds["tied"])
     return into
 
 
-def summarize_kind(kind: str, result: dict, peak_flops: float | None, ceiling_flops: float | None,
+def summarize_kind(result: dict, aux: dict, peak_flops: float | None, ceiling_flops: float | None,
                    caught: list) -> None:
     """Step time (median and spread), tokens/s, model TFLOP/s and MFU (against the datasheet peak
     and the measured GEMM ceiling), the loss and learning-rate rules, compile fallbacks."""
     from megatron_lev.training.flops import training_flops
 
-    fm = result.pop("_flops_model")
-    result["compile_fallbacks"] = compile_fallbacks(result.pop("_compiled_before"), caught)
+    fm = aux["flops_model"]
+    result["compile_fallbacks"] = compile_fallbacks(aux["compiled_before"], caught)
     result["loss_falls"] = loss_falls(result["losses"])
     result["learning_rate_problems"] = learning_rate_problems(result["lrs"])
     result["final_loss"] = result["losses"][-1] if result["losses"] else None

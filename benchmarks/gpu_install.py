@@ -15,6 +15,7 @@ the folder's own pure-Python wheel (tests/test_gpu_check_rules.py runs `install_
 """
 from __future__ import annotations
 
+import argparse
 import email.parser
 import glob
 import json
@@ -87,14 +88,22 @@ def kept_line(record: str) -> str:
     return ", ".join(f"{k['name']} {k['machine_version']}" for k in kept) or "none"
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) == 2 and argv[0] == "--kept":
-        print(kept_line(argv[1]))
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="The wheels of a gpu_wheels.sh folder the machine's Python lacks.")
+    p.add_argument("wheels", nargs="?", help="the folder benchmarks/gpu_wheels.sh built")
+    p.add_argument("record", nargs="?", help="where to write what is installed and what is kept (JSON)")
+    p.add_argument("--kept", metavar="RECORD", help="print the machine's packages RECORD kept, on one line")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.kept:
+        print(kept_line(args.kept))
         return 0
-    if len(argv) != 2:
-        print("usage: python gpu_install.py WHEELS RECORD.json | --kept RECORD.json", file=sys.stderr)
-        return 2
-    folder, record = argv
+    if not (args.wheels and args.record):
+        build_parser().error("WHEELS and RECORD are needed (or --kept RECORD)")
+    folder, record = args.wheels, args.record
     paths = sorted(glob.glob(os.path.join(folder, "*.whl")))
     try:
         import packaging.requirements  # noqa: F401
@@ -110,4 +119,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())
