@@ -56,6 +56,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 3e-4 to 5e-4 of the largest mode and gradient there; docs/lev.md).
 FUSED_VS_PYTORCH_TOLERANCE = 1e-3
 GEMM_SIZE = {"cuda": 8192, "cpu": 256}
+# DeepSpeed's fused Adam builds in about a minute (two files, one architecture); a build still
+# running after this is stopped and the engines take torch's AdamW (recorded: a fallback).
+FUSED_ADAM_BUILD_LIMIT_S = 240
+# Kept back from --time-limit: writing the JSON, and the imports before main() started its clock.
+TIME_MARGIN_S = 10
 
 # Dense bf16 tensor-core peaks (NVIDIA data sheets, TFLOP/s without sparsity) by the variant
 # in the device name; the trainer's --gpu-type peaks (megatron_lev.training.flops) are the SXM ones.
@@ -120,8 +125,13 @@ def kernel_tests(device, tiny: bool) -> dict:
         if tiny:  # the CPU rehearsal of this stage: the toy shapes only (the suite runs the rest)
             command += ["-k", "toy_shapes"]
         started = time.time()
-        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=KERNEL_TESTS_LIMIT_S)
+        try:
+            proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                                  timeout=KERNEL_TESTS_LIMIT_S)
+        except subprocess.TimeoutExpired as exc:  # recorded; the other stages still run
+            out = "".join(b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+                          for b in (exc.stdout, exc.stderr))
+            proc = subprocess.CompletedProcess(command, f"timed out after {KERNEL_TESTS_LIMIT_S} s", out, "")
         suite = ElementTree.parse(xml).getroot() if os.path.exists(xml) else None
     counts = {}
     if suite is not None:
@@ -194,29 +204,37 @@ def fused_vs_pytorch(config: str, micro_batch: int, seq: int, device) -> dict:
 # --------------------------------------------------------------------------- DeepSpeed's fused Adam
 
 
-class FusedAdamBuild:
-    """DeepSpeed's fused Adam JIT-built (nvcc, ninja) in a child process while the first stages
-    run; its build is cached, so the engines built later load it. `wait()` -> what happened."""
+FUSED_ADAM_BUILD = [sys.executable, "-c", "from deepspeed.accelerator import get_accelerator; "
+                    "get_accelerator().create_op_builder('FusedAdamBuilder').load()"]
 
-    def __init__(self, device):
+
+class FusedAdamBuild:
+    """DeepSpeed's fused Adam JIT-built (nvcc, ninja) by `command` in a child process while the
+    first stages run; its build is cached, so the engines built later load it. `wait()` -> what
+    happened. `command` None (not on CUDA): nothing to build."""
+
+    def __init__(self, command: list[str] | None):
         self.proc = None
-        if device.type != "cuda":
+        if command is None:
             return
         self.log = tempfile.NamedTemporaryFile("w+", prefix="fused_adam_build_", suffix=".log")
-        code = ("from deepspeed.accelerator import get_accelerator; "
-                "get_accelerator().create_op_builder('FusedAdamBuilder').load()")
         self.started = time.time()
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=self.log, stderr=subprocess.STDOUT,
-                                     cwd=REPO)
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
 
     def wait(self, timeout: float) -> dict:
         if self.proc is None:
             return {"skipped": "not on CUDA: the optimizer there is torch's fused AdamW"}
         try:
-            returncode = self.proc.wait(timeout=max(timeout, 1))
+            returncode = self.proc.wait(timeout=min(max(timeout, 1), FUSED_ADAM_BUILD_LIMIT_S))
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            returncode = "killed after the time left"
+            self.proc.wait()
+            # torch's build lock would make every later load wait for the killed build forever.
+            with contextlib.suppress(OSError, ImportError):
+                from torch.utils.cpp_extension import _get_build_directory
+
+                os.remove(os.path.join(_get_build_directory("fused_adam", verbose=False), "lock"))
+            returncode = f"killed after {time.time() - self.started:.0f} s"
         self.log.seek(0)
         return {"returncode": returncode, "seconds": time.time() - self.started, "log_tail": self.log.read()[-1500:]}
 
@@ -281,7 +299,8 @@ def run_stages(args, device, gpu: dict, report: dict, deadline: float | None) ->
     slurm = training.per_gpu_batch(training.slurm_train_argv("train_lev_1b.sh", args.slurm_gpus_per_node, gpu_type,
                                                              config if args.tiny else None), args.slurm_gpus_per_node)
     engine_stages = {"training", "bf16_vs_fp32", "save_resume"}
-    adam = FusedAdamBuild(device) if engine_stages & set(args.stages) else None
+    adam = (FusedAdamBuild(FUSED_ADAM_BUILD if device.type == "cuda" else None)
+            if engine_stages & set(args.stages) else None)
 
     def train():
         report["training"] = {}  # filled as it goes: an interruption keeps what was measured
@@ -315,9 +334,10 @@ def run_stages(args, device, gpu: dict, report: dict, deadline: float | None) ->
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     started = time.time()
-    deadline = started + args.time_limit if args.time_limit else None
+    deadline = started + args.time_limit - TIME_MARGIN_S if args.time_limit else None
     device = torch.device(args.device)
-    report = {"check": "gpu_check", "stages_done": [], "stage_seconds": {}, "finished": False, "ok": False,
+    report = {"check": "gpu_check", "stages_done": [], "stage_seconds": {}, "stage_estimates_s": STAGE_ESTIMATE_S,
+              "finished": False, "ok": False,
               "settings": {"time_limit_s": args.time_limit, "steps": args.steps,
                            "allow_optimizer_fallback": args.allow_optimizer_fallback,
                            **{name: os.environ.get(name) for name in ("PYTEST_DISABLE_PLUGIN_AUTOLOAD",

@@ -18,8 +18,8 @@ import weakref
 import torch
 
 import bench_train
-from gpu_check_rules import (DP1_LABEL, KINDS, interleaved_order, learning_rate_problems, loss_falls,
-                             micro_batch_plan, spread, step_time_ratio)
+from gpu_check_rules import (DP1_LABEL, FP32_STATE_BYTES_PER_PARAMETER, KINDS, interleaved_order,
+                             learning_rate_problems, loss_falls, micro_batch_plan, spread, step_time_ratio)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The training stage's schedule: a constant learning rate from the first step (the configs' own
@@ -330,6 +330,13 @@ def training_stage(tiny: bool, gpu: dict, device, steps: int, gpus_per_node: int
         into.pop("kinds")
         free_memory(device)
         micro, acc = micro // 2, acc * 2
+    for result in into["kinds"].values():
+        if "engine_memory_bytes" in result and "step_peak_above_states_bytes" in result:
+            # The Slurm job's GPU: 1/8 of the fp32 state, the Slurm micro-batch's activations.
+            fp32_state = FP32_STATE_BYTES_PER_PARAMETER * result["parameters"]
+            result["estimated_bytes_per_gpu_of_the_slurm_job"] = (
+                result["engine_memory_bytes"] - fp32_state * (1 - 1 / gpus_per_node)
+                + result["step_peak_above_states_bytes"] * slurm["micro"] / result["micro_batch_size"])
     lev_result = into["kinds"].get("lev", {})
     lev_result["fused_kernel_launches"] = {k: kernels.LAUNCHES[k] - launches.get(k, 0) for k in ("forward", "backward")}
     lev_result["fused_failure"] = lev.fused_modes_failure

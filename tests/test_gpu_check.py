@@ -368,3 +368,17 @@ def test_gpu_check_multi_on_one_process_runs_its_one_gpu_part(tmp_path):
     assert report["tensor_parallel"] == report["data_parallel"] == {"skipped": "needs >= 2 GPUs", "ok": True}
     kinds = report["throughput"]["kinds"]
     assert (kinds["lev"]["data_parallel_size"], kinds["lev"]["global_batch_size"]) == (1, 8)  # all 8 on one rank
+
+
+def test_the_fused_adam_build_is_waited_for_recorded_and_stopped_when_it_hangs(monkeypatch):
+    """gpu_check.py builds DeepSpeed's fused Adam in a child process while the kernel tests run;
+    the engines' stages wait for it and the JSON records how it went; a build that hangs is
+    stopped (the engines then fall back, which the check reports)."""
+    import gpu_check
+
+    assert gpu_check.FusedAdamBuild(None).wait(5) == {"skipped": "not on CUDA: the optimizer there is torch's fused AdamW"}
+    done = gpu_check.FusedAdamBuild([sys.executable, "-c", "print('built fused_adam')"]).wait(60)
+    assert (done["returncode"], done["log_tail"]) == (0, "built fused_adam\n") and done["seconds"] < 60
+    monkeypatch.setattr(gpu_check, "FUSED_ADAM_BUILD_LIMIT_S", 1)
+    hung = gpu_check.FusedAdamBuild([sys.executable, "-c", "import time; time.sleep(60)"]).wait(600)
+    assert hung["returncode"].startswith("killed after ") and hung["seconds"] < 30
