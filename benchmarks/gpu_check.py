@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -323,9 +324,19 @@ def run_stages(args, device, gpu: dict, report: dict, deadline: float | None) ->
         if name in engine_stages and "fused_adam_build" not in report:  # the engines load what it built
             report["fused_adam_build"] = adam.wait(left if left is not None else 600)
         started = time.time()
-        report[name] = stages[name]()
+        try:
+            report[name] = stages[name]()
+            report["stages_done"].append(name)
+        except Exception as exc:  # noqa: BLE001 - one stage's error is its result; the others still run
+            error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+            report[name] = {**(report.get(name) or {}), "ok": False, "why": error, "error": error,
+                            "traceback": traceback.format_exc()[-3000:]}
+            log(f"{name}: {error}")
+            del exc
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         report["stage_seconds"][name] = time.time() - started
-        report["stages_done"].append(name)
         save_partial(report, args.output)
     if adam is not None and "fused_adam_build" not in report:  # every engine stage skipped: stop it
         report["fused_adam_build"] = adam.wait(1)

@@ -195,7 +195,7 @@ def train_interleaved(argvs: dict, world: int, rank: int, device, steps: int, ov
     kinds, engines, refs, aux, batches = into.setdefault("kinds", {}), {}, {}, {}, None
     memory = into.setdefault("memory", {"allocated_before_bytes": allocated(device)})
     into["order"] = [kind for _, kind in interleaved_order(KINDS, steps)]
-    caught = []
+    caught, step_batches = [], None
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -246,6 +246,7 @@ def train_interleaved(argvs: dict, world: int, rank: int, device, steps: int, ov
                     peak = torch.cuda.max_memory_allocated() - base
                     result["step_peak_above_states_bytes"] = max(result.get("step_peak_above_states_bytes", 0), peak)
     finally:
+        batches = step_batches = None  # only the engines' memory is left to free
         for kind in list(engines):
             engine_bytes = allocated(device)
             release_engine(engines.pop(kind))

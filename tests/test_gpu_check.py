@@ -382,3 +382,24 @@ def test_the_fused_adam_build_is_waited_for_recorded_and_stopped_when_it_hangs(m
     monkeypatch.setattr(gpu_check, "FUSED_ADAM_BUILD_LIMIT_S", 1)
     hung = gpu_check.FusedAdamBuild([sys.executable, "-c", "import time; time.sleep(60)"]).wait(600)
     assert hung["returncode"].startswith("killed after ") and hung["seconds"] < 30
+
+
+def test_a_stage_that_raises_is_recorded_and_the_next_stages_still_run(tmp_path, monkeypatch):
+    """One call must answer every question it can: a stage's exception is that stage's result
+    (the check fails, naming it) and the stages after it still run."""
+    import gpu_check
+    import gpu_check_correctness
+
+    from tests.distributed import one_in_process_rank
+
+    def broken(device):
+        raise AttributeError("'GPTModel' object has no attribute 'x'")
+
+    monkeypatch.setattr(gpu_check_correctness, "megatron_gpt", broken)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    with one_in_process_rank():
+        report = gpu_check.main(["--device", "cpu", "--tiny", "--stages", "gemm_ceiling", "megatron_gpt",
+                                 "save_resume", "--output", str(tmp_path / "out.json")])
+    assert report["stages_done"] == ["gemm_ceiling", "save_resume"] and not report["ok"]
+    assert report["failures"] == ["megatron_gpt failed: AttributeError: 'GPTModel' object has no attribute 'x'"]
+    assert report["save_resume"]["bit_exact"] and _read(tmp_path / "out.json") == report
