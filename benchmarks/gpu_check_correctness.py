@@ -107,6 +107,11 @@ def bf16_vs_fp32(device, gpu_type: str) -> dict:
 # --------------------------------------------------------------------------- save and resume
 
 
+def _weights_checksum(module: torch.nn.Module) -> float:
+    with torch.no_grad():
+        return float(sum(p.float().sum() for p in module.parameters()))
+
+
 def save_resume(device, gpu_type: str) -> dict:
     """bf16 training as the Slurm scripts run it (ZeRO-2), with a learning rate that changes every
     step (linear decay over the run): RESUME_STEPS steps uninterrupted, against RESUME_SAVE_AT
@@ -129,8 +134,10 @@ def save_resume(device, gpu_type: str) -> dict:
                                  ("resumed", 4321, range(RESUME_SAVE_AT, RESUME_STEPS))):
             args, model_config, engine = build_trainer_engine(argv, 1, {**overrides, "--seed": seed})
             batches = batches or small_batches(model_config.vocab_size, device, RESUME_STEPS, seed=31)
-            if steps.start:
+            if steps.start:  # another seed's weights, replaced by the checkpoint's
+                before = _weights_checksum(engine.module)
                 load_checkpoint(engine, save_dir, tag)
+                weights_replaced = _weights_checksum(engine.module) != before
             for step in steps:
                 lrs[run].append(float(engine.get_lr()[0]))
                 runs[run].append(float(optimizer_step(engine, [batches[step]])))
@@ -142,9 +149,9 @@ def save_resume(device, gpu_type: str) -> dict:
             del engine
             free_memory(device)
     result = {"config": SMALL[device.type]["config"], "steps": RESUME_STEPS, "saved_after": RESUME_SAVE_AT,
-              "checkpoint_tag": tag, "losses": runs, "lrs": lrs, "bf16": True,
+              "checkpoint_tag": tag, "losses": runs, "lrs": lrs, "bf16": True, "weights_replaced": weights_replaced,
               **compare_resume(runs["uninterrupted"], runs["resumed"], RESUME_SAVE_AT)}
-    result["ok"] = result["within"] and lrs["uninterrupted"] == lrs["resumed"]
+    result["ok"] = result["within"] and lrs["uninterrupted"] == lrs["resumed"] and weights_replaced
     if not result["ok"]:
         result["why"] = (f"resumed vs uninterrupted: relative loss differences {result['relative_diffs']} "
                          f"(tolerance {result['tolerance']}), rates {lrs}")

@@ -305,7 +305,7 @@ def test_rehearsal_of_the_first_gpu_call(tmp_path):
     assert resume["bit_exact"] and resume["losses"]["uninterrupted"] == resume["losses"]["resumed"]
     assert resume["lrs"]["resumed"] == resume["lrs"]["uninterrupted"] == pytest.approx(
         [1e-3 - i * 0.9e-3 / 6 for i in range(6)], rel=1e-9)
-    assert resume["checkpoint_tag"] == "iter_0000003"
+    assert resume["checkpoint_tag"] == "iter_0000003" and resume["weights_replaced"]
 
 
 def test_gpu_check_multi_logic_on_two_cpu_ranks(tmp_path):
