@@ -341,6 +341,8 @@ def bench_size(name: str, size: Size, kinds, *, bf16: bool, device, data_path: O
                 result["ratios_of_cpu_time"] = _ratios(result["kinds"], "cpu_time_s_median")
         return result
     finally:
+        for run in runs.values():  # ZeRO's hooks keep an engine alive until it is destroyed
+            getattr(run.engine, "destroy", lambda: None)()
         runs.clear()
         gc.collect()
         if torch.cuda.is_available():

@@ -1,22 +1,30 @@
 #!/usr/bin/env python
-"""One-GPU check (run by benchmarks/gpu_check.sh on an A100/H100/H200, offline, under 8 minutes):
+"""One-GPU check (run by benchmarks/gpu_check.sh on an A100/H100/H200, offline, under 8 minutes).
+Stages, in order (gpu_check_rules.STAGE_ORDER; each is skipped, and the check fails, when what
+is left of --time-limit is under its estimate):
 
-1. kernel_tests      pytest tests/test_lev_kernels.py with CUDA tensors (compiled Triton kernels, no
-                     interpreter): both LEV paths within the float32 error bound at the 1.2B
-                     generator's shapes, the overflow cap, the fallback, the kernel count.
-2. fused_vs_pytorch  lev-1.2b's LEV embedding on one training micro-batch (the Slurm scripts'
-                     per-GPU micro-batch): fused kernels against the PyTorch path, output and every
-                     generator gradient, and the time of each.
-3. training          lev-1.2b and tied-1.2b trained as the Slurm scripts run them on a node of 8
-                     GPUs of this type (their DRY_RUN command: bf16, --compile-layers, ZeRO-2 with
-                     overlap_comm, their per-GPU micro-batch and gradient accumulation; the global
-                     batch is this one GPU's share): step time, tokens/s, MFU, peak memory, and the
-                     LEV/tied step-time ratio. One kind after the other, each engine alone on the GPU.
+1. kernel_tests      pytest tests/test_lev_kernels.py with CUDA tensors (compiled Triton kernels):
+                     both LEV paths within the float32 error bound at the 1.2B generator's shapes,
+                     the overflow cap, the fallback, the kernel count. Meanwhile DeepSpeed's fused
+                     Adam is JIT-built in a child process (the training stages load it).
+2. fused_vs_pytorch  lev-1.2b's LEV embedding on one training micro-batch: fused kernels against
+                     the PyTorch path, output and every generator gradient, and the time of each.
+3. gemm_ceiling      bf16 TFLOP/s of an 8192^3 matrix product: the ceiling MFU is also scored against.
+4. megatron_gpt      GPTModel+LEV (local spec; TransformerEngine's where it imports) against
+                     LeviathanModel on the same weights, fp32 forward and backward; one bf16 step.
+5. training          lev-1.2b and tied-1.2b as the Slurm scripts run them (bf16, compiled layers,
+                     ZeRO-2 + overlap_comm) at one GPU's share of an 8-GPU node's batch, both at
+                     one micro-batch, at a constant learning rate: every step's loss and rate, the
+                     loss must fall; steps interleaved lev, tied, lev, tied, ...: step time median
+                     and spread, tokens/s, MFU (datasheet and measured ceiling), the optimizer that
+                     ran, compile fallbacks, memory per engine and what deleting them freed.
+6. bf16_vs_fp32      the same weights and batches trained in fp32 and bf16 at a small size: the two
+                     loss curves within gpu_check_rules.bf16_loss_bounds.
+7. save_resume       bf16 ZeRO-2 training saved and resumed on the device against an uninterrupted
+                     run: bit-exact, or within gpu_check_rules.RESUME_TOLERANCE.
 
-It fails (exit 1, `"ok": false`, `failures` says why) on a failed kernel test, fused and PyTorch
-paths further apart than the bound allows, a non-finite loss, LEV/tied above --max-lev-over-tied
-(1.05), or a LEV run in which the fused kernels did not run. The JSON is written to --output after
-every stage and at the end, whatever happens (an exception is recorded in it).
+It fails (exit 1, `"ok": false`, `failures` says why: gpu_check_rules.failures) on any of those
+rules. The JSON is written to --output after every stage and at the end, whatever happens.
 
     python benchmarks/gpu_check.py --output gpu_check.json
     python benchmarks/gpu_check.py --device cpu --tiny     # the same logic on CPU (tiny configs)
@@ -27,9 +35,8 @@ import argparse
 import contextlib
 import gc
 import hashlib
-import math
+import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,19 +48,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_train  # noqa: E402  (benchmarks/ is not a package)
+from gpu_check_rules import (KERNEL_TESTS_LIMIT_S, STAGE_ESTIMATE_S, STAGE_ORDER, failures,  # noqa: E402
+                             stage_fits)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Seconds each stage may take on one H200 (gpu_check.sh gives the whole check 470 s, the install
-# about 30 s of it): the kernel tests compile 2 Triton kernels per shape; each training kind
-# compiles its decoder layer (inductor) and, once, DeepSpeed's fused Adam.
-BUDGET_S = {"kernel_tests": 150, "fused_vs_pytorch": 30, "training": 240}
 # Fused vs PyTorch LEV embedding, max |difference| / max |value| per tensor: twice the float32
 # error bound of the modes at the 1.2B generator's shapes (tests/lev_error_bound.py gives about
 # 3e-4 to 5e-4 of the largest mode and gradient there; docs/lev.md).
 FUSED_VS_PYTORCH_TOLERANCE = 1e-3
-# (micro-batch divisor, accumulation multiplier) tried in order when a kind runs out of memory:
-# the same tokens per optimizer step, in smaller micro-batches.
-MEMORY_LADDER = (1, 2, 4)
+GEMM_SIZE = {"cuda": 8192, "cpu": 256}
+# DeepSpeed's fused Adam builds in about a minute (two files, one architecture); a build still
+# running after this is stopped and the engines take torch's AdamW (recorded: a fallback).
+FUSED_ADAM_BUILD_LIMIT_S = 240
+# Kept back from --time-limit: writing the JSON, and the imports before main() started its clock.
+TIME_MARGIN_S = 10
 
 # Dense bf16 tensor-core peaks (NVIDIA data sheets, TFLOP/s without sparsity) by the variant
 # in the device name; the trainer's --gpu-type peaks (megatron_lev.training.flops) are the SXM ones.
@@ -78,15 +86,9 @@ def gpu_variant(device_name: str) -> dict:
     return {"gpu_type": None, "variant": None, "peak_tflops": None}
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
-
-
 def save_partial(report: dict, output) -> None:
     """The report so far, atomically in `output` (a later time-out keeps it)."""
     if output:
-        import json
-
         from megatron_lev.utils.files import atomic_path
 
         with atomic_path(output) as tmp, open(tmp, "w", encoding="utf-8") as f:
@@ -97,123 +99,24 @@ def log(message: str) -> None:
     print(f"gpu_check: {message}", file=sys.stderr, flush=True)
 
 
-# --------------------------------------------------------------------------- trainer engines
+def version_of(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
 
 
-def slurm_train_argv(script: str, gpus: int, gpu_type: str, config: str | None = None) -> list[str]:
-    """The trainer flags `slurm/<script>` passes on one node of `gpus` GPUs (its DRY_RUN
-    command, data files stubbed: the checks feed their own batches)."""
-    import shlex
-
-    with tempfile.TemporaryDirectory() as tmp:
-        for suffix in (".bin", ".idx", ".model"):
-            open(os.path.join(tmp, "stub" + suffix), "w").close()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-        env.update(DRY_RUN="1", NODES="1", GPUS_PER_NODE=str(gpus), GPU_TYPE=gpu_type, DATA_PATH=f"{tmp}/stub",
-                   TOKENIZER_MODEL=f"{tmp}/stub.model", CHECKPOINT_DIR=f"{tmp}/ckpt", VIRTUAL_ENV=sys.prefix,
-                   PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
-        for name in ("MICRO_BATCH", "GLOBAL_BATCH", "TP", "PP", "SEQ_LENGTH", "BF16", "EXTRA_ARGS", "CONFIG",
-                     "EXIT_INTERVAL"):
-            env.pop(name, None)
-        if config:
-            env["CONFIG"] = config
-        proc = subprocess.run(["bash", os.path.join(REPO, "slurm", script)], env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"slurm/{script} DRY_RUN failed: {proc.stderr.strip()}")
-    (line,) = {l for l in proc.stdout.splitlines() if l.startswith("torchrun ")}
-    argv = shlex.split(line)
-    argv = argv[argv.index("megatron_lev.train") + 1:]
-    # No checkpoints, no logs: the checks measure steps only.
-    for flag in ("--save", "--load", "--tensorboard-dir"):
-        i = argv.index(flag)
-        del argv[i:i + 2]
-    return argv
-
-
-def build_trainer_engine(argv: list[str], world_size: int, overrides: dict | None = None):
-    """(args, model_config, engine) exactly as megatron_lev.train builds them (its start-up
-    checks included)."""
-    from megatron_lev.training.arguments import parse_args, validate_args
-    from megatron_lev.training.ds_config import build_deepspeed_config
-    from megatron_lev.training.engine import build_engine
-    from megatron_lev.training.validation import build_model_config, check_deepspeed_version
-
-    for flag, value in (overrides or {}).items():
-        argv = [*argv, flag] + ([str(value)] if value != "" else [])
-    args = validate_args(parse_args(argv), world_size=world_size)
-    model_config = build_model_config(args)
-    ds_config = build_deepspeed_config(args)
-    check_deepspeed_version(ds_config, args.deepspeed_config_path)
-    return args, model_config, build_engine(args, model_config, ds_config)
-
-
-def optimizer_step(engine, batches: list[dict]) -> torch.Tensor:
-    """One optimizer step over `batches` (its micro-batches, accumulated), as the trainer's
-    train_step runs it; returns the mean micro-batch loss."""
-    from megatron_lev.training.batches import model_inputs
-
-    losses = []
-    for b in batches:
-        loss = engine(b["tokens"], **model_inputs(b))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach().float())
-    return torch.stack(losses).mean()
-
-
-def train_kind(kind: str, argv: list[str], world: int, rank: int, device, peak, steps: int,
-               overrides: dict | None = None) -> dict:
-    """Optimizer steps of one kind's engine (one warm-up, then `steps` timed): step time,
-    tokens/s, TFLOP/s and MFU per GPU, every step's loss, peak memory."""
-    import torch.distributed as dist
-
-    from megatron_lev.training.flops import flops_model, training_flops
-
-    args, model_config, engine = build_trainer_engine(argv, world, overrides)
-    acc, micro, seq = args.gradient_accumulation_steps, args.micro_batch_size, args.seq_length
-    windows = bench_train.zipf_batches(model_config.vocab_size, micro, seq, (steps + 1) * acc, seed=100 + rank)
-    batches = [bench_train.as_inputs(w, device, model_config.vocab_size) for w in windows]
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    losses = [float(optimizer_step(engine, batches[:acc]))]  # warm-up: compiles, allocates Adam's moments
-    times = []
-    for s in range(1, steps + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = optimizer_step(engine, batches[s * acc:(s + 1) * acc])
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-    step_time = statistics.median(times)
-    fm = flops_model(model_config, seq)
-    distinct = [int(b["lev_ids"].numel()) if kind == "lev" else 0 for b in batches[acc:]]
-    flops = sum(training_flops(fm, micro * seq, d) for d in distinct) / steps  # this GPU, per step
-    result = {"global_batch_size": args.global_batch_size, "micro_batch_size": micro,
-              "gradient_accumulation_steps": acc, "seq_length": seq, "data_parallel_size": world,
-              "bf16": bool(args.bf16), "compile_layers": bool(args.compile_layers),
-              "deepspeed_config": args.deepspeed_config, "step_time_s_median": step_time, "step_times_s": times,
-              "tokens_per_s": args.global_batch_size * seq / step_time,
-              "model_tflops_per_s_per_gpu": flops / step_time / 1e12,
-              "mfu": flops / step_time / peak if peak else None, "losses": losses, "final_loss": losses[-1]}
-    if device.type == "cuda":
-        result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    del engine, batches
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return result
-
-
-# --------------------------------------------------------------------------- 1. kernel tests
+# --------------------------------------------------------------------------- kernel tests
 
 
 def kernel_tests(device, tiny: bool) -> dict:
     """The real test file under pytest, in a child process; on a GPU TRITON_INTERPRET=0 makes it
     compile the kernels for CUDA tensors (tests/test_lev_kernels.py picks the device)."""
-    env = dict(os.environ)
+    # The image's own pytest plugins (xdist, cov, benchmark, ...) stay out: they need not match
+    # the pytest that runs here.
+    env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     if device.type == "cuda":
         env["TRITON_INTERPRET"] = "0"
     with tempfile.TemporaryDirectory() as tmp:
@@ -223,14 +126,20 @@ def kernel_tests(device, tiny: bool) -> dict:
         if tiny:  # the CPU rehearsal of this stage: the toy shapes only (the suite runs the rest)
             command += ["-k", "toy_shapes"]
         started = time.time()
-        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=BUDGET_S["kernel_tests"])
+        try:
+            proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                                  timeout=KERNEL_TESTS_LIMIT_S)
+        except subprocess.TimeoutExpired as exc:  # recorded; the other stages still run
+            out = "".join(b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+                          for b in (exc.stdout, exc.stderr))
+            proc = subprocess.CompletedProcess(command, f"timed out after {KERNEL_TESTS_LIMIT_S} s", out, "")
         suite = ElementTree.parse(xml).getroot() if os.path.exists(xml) else None
     counts = {}
     if suite is not None:
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
         counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
     result = {"command": " ".join(command[1:]), "returncode": proc.returncode, **counts,
+              "pytest": version_of("pytest"), "plugin_autoload_disabled": True,
               "seconds": time.time() - started, "output_tail": (proc.stdout + proc.stderr)[-2000:]}
     result["ok"] = (proc.returncode == 0 and counts.get("tests", 0) > 0
                     and counts.get("failures", 1) == counts.get("errors", 1) == counts.get("skipped", 1) == 0)
@@ -238,7 +147,7 @@ def kernel_tests(device, tiny: bool) -> dict:
     return result
 
 
-# --------------------------------------------------------------------------- 2. fused vs PyTorch
+# --------------------------------------------------------------------------- fused vs PyTorch
 
 
 def fused_vs_pytorch(config: str, micro_batch: int, seq: int, device) -> dict:
@@ -293,84 +202,45 @@ def fused_vs_pytorch(config: str, micro_batch: int, seq: int, device) -> dict:
     return result
 
 
-# --------------------------------------------------------------------------- 3. training
+# --------------------------------------------------------------------------- DeepSpeed's fused Adam
 
 
-def training(tiny: bool, gpu: dict, device, steps: int, gpus_per_node: int) -> dict:
-    """lev-1.2b and tied-1.2b as the Slurm scripts run them (module docstring), one GPU's share."""
-    from megatron_lev.lev import generator as lev
-    from megatron_lev.lev import kernels
-    from megatron_lev.models import transformer
-
-    peak = gpu["peak_tflops"] * 1e12 if gpu["peak_tflops"] else None
-    report = {"kinds": {}, "slurm_gpus_per_node": gpus_per_node}
-    for kind, script in (("lev", "train_lev_1b.sh"), ("tied", "train_tied_1b.sh")):
-        argv = slurm_train_argv(script, gpus_per_node, gpu["gpu_type"] or "h100", f"tiny-{kind}" if tiny else None)
-        launches = dict(kernels.LAUNCHES)
-        slurm, tried = _per_gpu_batch(argv, gpus_per_node), []
-        for divisor in MEMORY_LADDER:
-            micro, acc = slurm["micro"] // divisor, slurm["acc"] * divisor
-            if micro < 1:
-                break
-            overrides = {"--micro-batch-size": micro, "--global-batch-size": micro * acc}
-            if tiny:  # on CPU compiling the layers would take most of the run
-                overrides["--no-compile-layers"] = ""
-            try:
-                result = train_kind(kind, argv, 1, 0, device, peak, steps, overrides)
-            except RuntimeError as exc:
-                if not is_out_of_memory(exc):
-                    raise
-                tried.append({"micro_batch_size": micro, "gradient_accumulation_steps": acc, "result": "out of memory"})
-                del exc
-                gc.collect()
-                torch.cuda.empty_cache()
-                continue
-            tried.append({"micro_batch_size": micro, "gradient_accumulation_steps": acc, "result": "ok"})
-            result["attempts"] = tried
-            break
-        else:
-            result = {"attempts": tried, "error": "every micro-batch size ran out of memory"}
-        if kind == "lev":
-            result["fused_kernel_launches"] = {k: kernels.LAUNCHES[k] - launches.get(k, 0)
-                                               for k in ("forward", "backward")}
-            result["fused_failure"] = lev.fused_modes_failure
-        result["compile_fallback_layers"] = list(transformer._compile_failures)
-        report["kinds"][kind] = result
-        log(f"{kind}: {result.get('step_time_s_median', float('nan')) * 1000:.0f} ms/step, MFU {result.get('mfu')}, "
-            f"peak {result.get('peak_memory_gb')} GB")
-    if all("step_time_s_median" in k for k in report["kinds"].values()):
-        report["lev_over_tied_step_time"] = (report["kinds"]["lev"]["step_time_s_median"]
-                                             / report["kinds"]["tied"]["step_time_s_median"])
-    return report
+FUSED_ADAM_BUILD = [sys.executable, "-c", "from deepspeed.accelerator import get_accelerator; "
+                    "get_accelerator().create_op_builder('FusedAdamBuilder').load()"]
 
 
-def _per_gpu_batch(argv: list[str], gpus_per_node: int) -> dict:
-    """The Slurm command's micro-batch and, per GPU, its gradient accumulation."""
-    micro = int(argv[argv.index("--micro-batch-size") + 1])
-    global_batch = int(argv[argv.index("--global-batch-size") + 1])
-    return {"micro": micro, "acc": global_batch // (micro * gpus_per_node)}
+class FusedAdamBuild:
+    """DeepSpeed's fused Adam JIT-built (nvcc, ninja) by `command` in a child process while the
+    first stages run; its build is cached, so the engines built later load it. `wait()` -> what
+    happened. `command` None (not on CUDA): nothing to build."""
+
+    def __init__(self, command: list[str] | None):
+        self.proc = None
+        if command is None:
+            return
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="fused_adam_build_", suffix=".log")
+        self.started = time.time()
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
+
+    def wait(self, timeout: float) -> dict:
+        if self.proc is None:
+            return {"skipped": "not on CUDA: the optimizer there is torch's fused AdamW"}
+        try:
+            returncode = self.proc.wait(timeout=min(max(timeout, 1), FUSED_ADAM_BUILD_LIMIT_S))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            # torch's build lock would make every later load wait for the killed build forever.
+            with contextlib.suppress(OSError, ImportError):
+                from torch.utils.cpp_extension import _get_build_directory
+
+                os.remove(os.path.join(_get_build_directory("fused_adam", verbose=False), "lock"))
+            returncode = f"killed after {time.time() - self.started:.0f} s"
+        self.log.seek(0)
+        return {"returncode": returncode, "seconds": time.time() - self.started, "log_tail": self.log.read()[-1500:]}
 
 
-def failures(report: dict, device, max_ratio: float) -> list[str]:
-    """Why the check fails (empty: it passes)."""
-    found = []
-    for stage in ("kernel_tests", "fused_vs_pytorch"):
-        if stage in report and not report[stage]["ok"]:
-            found.append(f"{stage} failed")
-    kinds = report.get("training", {}).get("kinds", {})
-    for kind, result in kinds.items():
-        if "error" in result:
-            found.append(f"{kind}: {result['error']}")
-        elif not all(math.isfinite(loss) for loss in result["losses"]):
-            found.append(f"{kind}: non-finite loss {result['losses']}")
-    lev = kinds.get("lev", {})
-    if device.type == "cuda" and lev and (lev.get("fused_failure") or not all(lev["fused_kernel_launches"].values())):
-        found.append(f"lev: the fused LEV kernels did not run (launches {lev['fused_kernel_launches']}, "
-                     f"failure {lev.get('fused_failure')})")
-    ratio = report.get("training", {}).get("lev_over_tied_step_time")
-    if ratio is not None and ratio > max_ratio:
-        found.append(f"lev_over_tied_step_time {ratio:.3f} > {max_ratio}")
-    return found
+# --------------------------------------------------------------------------- main
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -378,11 +248,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: run the logic on the CPU (with --tiny), for tests")
     p.add_argument("--tiny", action="store_true", help="tiny-lev/tiny-tied, fp32, eager layers")
-    p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per kind")
+    p.add_argument("--steps", type=int, default=12,
+                   help="training steps per kind (the first compiles and is not timed; at least 10)")
     p.add_argument("--slurm-gpus-per-node", type=int, default=8, help="the Slurm job whose per-GPU work to run")
     p.add_argument("--max-lev-over-tied", type=float, default=1.05, help="fail above this LEV/tied step-time ratio")
-    p.add_argument("--stages", nargs="+", default=["kernel_tests", "fused_vs_pytorch", "training"],
-                   choices=("kernel_tests", "fused_vs_pytorch", "training"))
+    p.add_argument("--allow-optimizer-fallback", action="store_true",
+                   help="pass although DeepSpeed's fused Adam did not run (recorded either way)")
+    p.add_argument("--stages", nargs="+", default=list(STAGE_ORDER), choices=STAGE_ORDER)
+    p.add_argument("--time-limit", type=float, help="seconds this process may take; a stage that no longer "
+                                                    "fits (gpu_check_rules.STAGE_ESTIMATE_S) is skipped")
     p.add_argument("--output", help="write the JSON here, after every stage and at the end")
     return p
 
@@ -407,11 +281,78 @@ def wheel_matches_checkout() -> bool | None:
     return digest(site) == digest(REPO)
 
 
+def install_record() -> dict | None:
+    """What gpu_check.sh installed from the wheel folder and what it kept of the image's own
+    packages (benchmarks/gpu_install.py writes it); None outside gpu_check.sh."""
+    path = os.environ.get("GPU_CHECK_INSTALL_RECORD")
+    if not path or not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def run_stages(args, device, gpu: dict, report: dict, deadline: float | None) -> None:
+    import gpu_check_correctness as correctness
+    import gpu_check_training as training
+
+    config = "tiny-lev" if args.tiny else "lev-1.2b"
+    gpu_type = gpu["gpu_type"] or "h100"
+    slurm = training.per_gpu_batch(training.slurm_train_argv("train_lev_1b.sh", args.slurm_gpus_per_node, gpu_type,
+                                                             config if args.tiny else None), args.slurm_gpus_per_node)
+    engine_stages = {"training", "bf16_vs_fp32", "save_resume"}
+    adam = (FusedAdamBuild(FUSED_ADAM_BUILD if device.type == "cuda" else None)
+            if engine_stages & set(args.stages) else None)
+
+    def train():
+        report["training"] = {}  # filled as it goes: an interruption keeps what was measured
+        return training.training_stage(args.tiny, gpu, device, args.steps, args.slurm_gpus_per_node,
+                                       report.get("gemm_ceiling"), report["training"])
+
+    stages = {"kernel_tests": lambda: kernel_tests(device, args.tiny),
+              "fused_vs_pytorch": lambda: fused_vs_pytorch(config, slurm["micro"], 64 if args.tiny else 512, device),
+              "gemm_ceiling": lambda: training.gemm_ceiling(device, GEMM_SIZE[device.type]),
+              "megatron_gpt": lambda: correctness.megatron_gpt(device),
+              "training": train,
+              "bf16_vs_fp32": lambda: correctness.bf16_vs_fp32(device, gpu_type),
+              "save_resume": lambda: correctness.save_resume(device, gpu_type)}
+    for name in [s for s in STAGE_ORDER if s in args.stages]:
+        left = None if deadline is None else deadline - time.time()
+        if not stage_fits(name, left):
+            report.setdefault("skipped_stages", {})[name] = (f"{left:.0f} s left, the stage needs about "
+                                                             f"{STAGE_ESTIMATE_S[name]} s")
+            continue
+        if name in engine_stages and "fused_adam_build" not in report:  # the engines load what it built
+            report["fused_adam_build"] = adam.wait(left if left is not None else 600)
+        started = time.time()
+        try:
+            report[name] = stages[name]()
+            report["stages_done"].append(name)
+        except Exception as exc:  # noqa: BLE001 - one stage's error is its result; the others still run
+            error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+            report[name] = {**(report.get(name) or {}), "ok": False, "why": error, "error": error,
+                            "traceback": traceback.format_exc()[-3000:]}
+            log(f"{name}: {error}")
+            del exc
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        report["stage_seconds"][name] = time.time() - started
+        save_partial(report, args.output)
+    if adam is not None and "fused_adam_build" not in report:  # every engine stage skipped: stop it
+        report["fused_adam_build"] = adam.wait(1)
+
+
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     started = time.time()
+    deadline = started + args.time_limit - TIME_MARGIN_S if args.time_limit else None
     device = torch.device(args.device)
-    report = {"check": "gpu_check", "stages_done": [], "finished": False, "ok": False}
+    report = {"check": "gpu_check", "stages_done": [], "stage_seconds": {}, "stage_estimates_s": STAGE_ESTIMATE_S,
+              "finished": False, "ok": False,
+              "settings": {"time_limit_s": args.time_limit, "steps": args.steps,
+                           "allow_optimizer_fallback": args.allow_optimizer_fallback,
+                           **{name: os.environ.get(name) for name in ("PYTEST_DISABLE_PLUGIN_AUTOLOAD",
+                                                                      "TORCH_CUDA_ARCH_LIST", "TRITON_INTERPRET")}}}
     try:
         if args.device == "cuda" and not torch.cuda.is_available():
             raise SystemExit(f"gpu_check.py: torch {torch.__version__} sees no GPU (is it a CUDA build?); "
@@ -420,33 +361,26 @@ def main(argv=None) -> dict:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported
             if not args.tiny:
                 raise SystemExit("gpu_check.py: --device cpu needs --tiny (the 1.2B configs are for GPUs)")
+        if args.steps < 10:
+            raise SystemExit(f"gpu_check.py: --steps {args.steps}: the training stage needs at least 10")
         gpu = gpu_variant(torch.cuda.get_device_name(device)) if device.type == "cuda" else gpu_variant("")
-        report.update(environment=bench_train.environment(device), **gpu, bf16=not args.tiny,
-                      wheel_matches_checkout=wheel_matches_checkout())
+        report.update(environment={**bench_train.environment(device), "python": sys.version.split()[0],
+                                   **{name: version_of(name) for name in ("triton", "deepspeed", "megatron-core",
+                                                                          "pytest")}},
+                      **gpu, wheel_matches_checkout=wheel_matches_checkout(), install=install_record())
         save_partial(report, args.output)
-        config = "tiny-lev" if args.tiny else "lev-1.2b"
-        slurm = _per_gpu_batch(slurm_train_argv("train_lev_1b.sh", args.slurm_gpus_per_node, gpu["gpu_type"] or "h100",
-                                                config if args.tiny else None), args.slurm_gpus_per_node)
-        stages = {"kernel_tests": lambda: kernel_tests(device, args.tiny),
-                  "fused_vs_pytorch": lambda: fused_vs_pytorch(config, slurm["micro"], 64 if args.tiny else 512,
-                                                               device),
-                  "training": lambda: training(args.tiny, gpu, device, args.steps, args.slurm_gpus_per_node)}
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the JSON only (DeepSpeed prints)
-            if "training" in args.stages or "fused_vs_pytorch" in args.stages:
-                bench_train.start_process_group(device)
-            for name in args.stages:
-                report[name] = stages[name]()
-                report["stages_done"].append(name)
-                save_partial(report, args.output)
+            bench_train.start_process_group(device)
+            run_stages(args, device, gpu, report, deadline)
     except KeyboardInterrupt:  # gpu_check.sh's time limit (timeout --signal=INT): keep what was measured
         report["error"] = "time limit (interrupted)"
     except BaseException as exc:  # noqa: BLE001 - recorded in the JSON, which is written whatever happens
         report["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         report["traceback"] = traceback.format_exc()[-4000:]
-    report["failures"] = failures(report, device, args.max_lev_over_tied)
+    report["failures"] = failures(report, device.type, args.max_lev_over_tied, args.allow_optimizer_fallback)
     if "error" in report:
         report["failures"].insert(0, report["error"])
-    report["ok"] = not report["failures"] and report["stages_done"] == args.stages
+    report["ok"] = not report["failures"] and report["stages_done"] == [s for s in STAGE_ORDER if s in args.stages]
     report["finished"] = True
     for line in report["failures"]:
         log(f"FAILED: {line}")

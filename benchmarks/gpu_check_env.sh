@@ -4,10 +4,13 @@
 #
 # gpu_check_install NAME WHEELS: a fresh virtual environment ($GPU_CHECK_VENV, default
 #   <repo>/runs/gpu_check_env) over the packages of the machine's own Python ($PYTHON, default
-#   python3: its torch, triton, ...), with every wheel of WHEELS installed by pip --no-index; checks
-#   that every requirement of those wheels is met. Sets `py` (the environment's python) and `site`
-#   (its site-packages), and exports PYTHONPATH=<repo> (the checkout's code runs; the project's
-#   wheel brings its requirements). Ahead of the machine's packages, the wheels win over older copies.
+#   python3: its torch, triton, pytest, ...), with the wheels of WHEELS it lacks (or has at a
+#   version the wheels' requirements refuse: benchmarks/gpu_install.py) installed by pip
+#   --no-index; checks that every requirement of those wheels is met. Exports
+#   GPU_CHECK_INSTALL_RECORD (what was installed, what was kept). Sets `py` (the environment's
+#   python) and `site` (its site-packages), and exports PYTHONPATH=<repo> (the checkout's code
+#   runs; the project's wheel brings its requirements). What is installed comes ahead of the
+#   machine's packages.
 # gpu_check_gpus NAME MIN_GPUS: sets `gpus` (what nvidia-smi lists), or stops when there are fewer
 #   than MIN_GPUS (none: "no CUDA GPU on HOST").
 # gpu_check_start NAME OUTPUT: sets `start`; from then on the JSON report OUTPUT is written on any
@@ -71,8 +74,17 @@ dirs = [*site.getsitepackages(), site.getusersitepackages(), paths["purelib"], p
 with open(sys.argv[1], "w") as f:
     f.write("import site; " + "; ".join(f"site.addsitedir({d!r})" for d in dict.fromkeys(dirs)) + "\n")
 PY
-    "$base" -m pip install --quiet --no-index --no-deps --disable-pip-version-check --target "$site" "$wheels"/*.whl \
-        >&2 || fail "$name: pip install --no-index of $wheels into $venv failed (see above)" 2
+    # The machine's own packages win where they meet the wheels' requirements (its pytest and
+    # the plugins built for it, say): benchmarks/gpu_install.py picks what to install.
+    export GPU_CHECK_INSTALL_RECORD=$venv/install_record.json
+    local picked
+    picked=$("$base" "$repo/benchmarks/gpu_install.py" "$wheels" "$GPU_CHECK_INSTALL_RECORD") \
+        || fail "$name: choosing what to install from $wheels failed (see above)" 2
+    mapfile -t picked < <(printf '%s' "$picked" | sed '/^$/d')
+    if ((${#picked[@]})); then
+        "$base" -m pip install --quiet --no-index --no-deps --disable-pip-version-check --target "$site" \
+            "${picked[@]}" >&2 || fail "$name: pip install --no-index of $wheels into $venv failed (see above)" 2
+    fi
     export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH}
     local missing
     missing=$("$py" - "$site" <<'PY'
@@ -96,9 +108,11 @@ PY
     [[ -z $missing ]] \
         || fail "$name: $missing: neither $wheels nor $base provides it" \
             "(rebuild the folder with benchmarks/gpu_wheels.sh)" 2
-    local count
+    local count kept
     count=$(find "$wheels" -maxdepth 1 -name '*.whl' | wc -l)
-    echo "$name: installed $count wheels offline into $venv in $((SECONDS - start)) s" >&2
+    kept=$("$base" "$repo/benchmarks/gpu_install.py" --kept "$GPU_CHECK_INSTALL_RECORD")
+    echo "$name: installed ${#picked[@]} of $count wheels offline into $venv in $((SECONDS - start)) s;" \
+        "kept the machine's own: $kept" >&2
 }
 
 gpu_check_gpus() {

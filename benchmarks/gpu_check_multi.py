@@ -41,8 +41,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_train  # noqa: E402  (benchmarks/ is not a package)
-from gpu_check import (build_trainer_engine, gpu_variant, optimizer_step, save_partial,  # noqa: E402
-                       slurm_train_argv, train_kind)
+from gpu_check import gpu_variant, save_partial  # noqa: E402
+from gpu_check_training import (CONSTANT_LR, build_trainer_engine, optimizer_step, release_engine,  # noqa: E402
+                                slurm_train_argv, train_interleaved)
 
 
 # Max |TP=2 - TP=1| / max |TP=1| allowed: float32 sums in another order; bf16 rounds the
@@ -200,6 +201,7 @@ def run_dp_engine(tiny: bool, dp_size: int, world_size: int, rank: int, device) 
     result = {"losses": losses, "grad_norms": norms, "world_size": world_size,
               "gradient_accumulation_steps": args.gradient_accumulation_steps,
               "deepspeed_config": args.deepspeed_config, "micro_batch_size": micro, "num_layers": model_config.num_layers}
+    release_engine(engine)
     del engine
     gc.collect()
     return result
@@ -226,20 +228,22 @@ def data_parallel_check(reference: dict, tiny: bool, device) -> dict:
 
 def throughput_check(tiny: bool, gpu: dict, device, steps: int) -> dict:
     """lev-1.2b and tied-1.2b as the Slurm scripts run them on this node (data-parallel over
-    every process of the job), one after the other: step time, tokens/s, MFU, memory."""
+    every process of the job), trained side by side at a constant learning rate, steps
+    interleaved (gpu_check_training.train_interleaved): step time, tokens/s, MFU, memory."""
     world, rank = dist.get_world_size(), dist.get_rank()
     peak = gpu["peak_tflops"] * 1e12 if gpu["peak_tflops"] else None
-    report = {"kinds": {}}
-    for kind, script in (("lev", "train_lev_1b.sh"), ("tied", "train_tied_1b.sh")):
-        argv = slurm_train_argv(script, world, gpu["gpu_type"] or "h100", f"tiny-{kind}" if tiny else None)
-        # On CPU (--tiny) torch.compile of the layers would take most of the run's time.
-        result = train_kind(kind, argv, world, rank, device, peak, steps, {"--no-compile-layers": ""} if tiny else None)
-        report["kinds"][kind] = result
+    argvs = {kind: slurm_train_argv(f"train_{kind}_1b.sh", world, gpu["gpu_type"] or "h100",
+                                    f"tiny-{kind}" if tiny else None) for kind in ("lev", "tied")}
+    # On CPU (--tiny) torch.compile of the layers would take most of the run's time.
+    overrides = {**CONSTANT_LR, **({"--no-compile-layers": ""} if tiny else {})}
+    report = train_interleaved(argvs, world, rank, device, steps, overrides, peak, None, {})
+    for kind, result in report["kinds"].items():
         log(f"{kind}: {1000 * result['step_time_s_median']:.0f} ms/step (accumulation "
             f"{result['gradient_accumulation_steps']} x micro-batch {result['micro_batch_size']}), MFU {result['mfu']}")
-    report["lev_over_tied_step_time"] = (report["kinds"]["lev"]["step_time_s_median"]
-                                         / report["kinds"]["tied"]["step_time_s_median"])
-    report["ok"] = all(all(math.isfinite(loss) for loss in k["losses"]) for k in report["kinds"].values())
+    ratio = report["lev_over_tied_step_time"]
+    report["ok"] = ratio["comparable"] and all(
+        all(math.isfinite(loss) for loss in k["losses"]) and k["loss_falls"]["falls"] and not k["learning_rate_problems"]
+        for k in report["kinds"].values())
     return report
 
 
@@ -254,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reference: the 1-GPU run of the DP check (one process, before torchrun)")
     p.add_argument("--dp-size", type=int, help="reference: the data-parallel size it stands in for")
     p.add_argument("--reference", help="the reference stage's JSON (needed with 2+ processes)")
-    p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per kind (throughput)")
+    p.add_argument("--steps", type=int, default=12,
+                   help="optimizer steps per kind (throughput; the first compiles and is not timed; at least 10)")
     p.add_argument("--output", help="rank 0 writes the JSON here after every stage")
     return p
 

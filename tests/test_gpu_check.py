@@ -1,8 +1,10 @@
 """benchmarks/gpu_check.{sh,py} and gpu_check_multi.{sh,py} on CPU: the first line they print
-on a machine without the GPUs they need, the device-name -> peak table, and their whole logic
-(--device cpu --tiny, gloo ranks) with assertions on the JSON they write. Not a GPU run: the
-numbers that matter on a cluster (MFU, LEV/tied ratio, bf16 reduction) come from running the
-scripts there (docs/cluster.md, "First day on a cluster")."""
+on a machine without the GPUs they need, the offline install (the machine's own pytest kept),
+the device-name -> peak table, the rehearsal of the first GPU call (benchmarks/gpu_rehearsal.sh:
+the install under a stand-in of the GPU image's Python 3.12, then every stage of gpu_check.py
+with --device cpu --tiny) and gpu_check_multi's logic on gloo ranks, with assertions on the JSON
+they write. Not a GPU run: the numbers that matter there (MFU, LEV/tied ratio, bf16 reduction)
+come from running the scripts on one (docs/performance.md, "The first GPU call")."""
 from __future__ import annotations
 
 import json
@@ -40,11 +42,12 @@ def test_peak_from_device_name(name, variant, peak):
 
 
 def _fake_nvidia_smi(tmp_path: Path, gpus: int) -> dict:
-    """PATH with an `nvidia-smi -L` that lists `gpus` GPUs."""
+    """PATH with an `nvidia-smi` that lists `gpus` H100s (-L) of compute capability 9.0."""
     bin_dir = tmp_path / f"bin{gpus}"
     bin_dir.mkdir()
     lines = "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(gpus))
-    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{lines}")
+    cap = "".join("echo 9.0\n" for _ in range(gpus))
+    (bin_dir / "nvidia-smi").write_text(f'#!/bin/sh\ncase "$*" in *compute_cap*)\n{cap};;\n*)\n{lines};;\nesac\n')
     (bin_dir / "nvidia-smi").chmod(0o755)
     return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
@@ -52,22 +55,9 @@ def _fake_nvidia_smi(tmp_path: Path, gpus: int) -> dict:
 def probe_wheel_folder(folder: Path, requires: list[str]) -> Path:
     """A wheel folder holding one small pure wheel, `gpu-check-probe 1.0` (module
     gpu_check_probe), that requires `requires`: what gpu_wheels.sh's folder is, in miniature."""
-    import base64
-    import hashlib
-    import zipfile
+    from gpu_rehearsal_image import standin_wheel
 
-    folder.mkdir(parents=True)
-    info = "gpu_check_probe-1.0.dist-info"
-    files = {"gpu_check_probe/__init__.py": "VALUE = 42\n",
-             f"{info}/METADATA": "Metadata-Version: 2.1\nName: gpu-check-probe\nVersion: 1.0\n"
-                                 + "".join(f"Requires-Dist: {r}\n" for r in requires),
-             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    record = [f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
-              f"{len(text.encode())}" for path, text in files.items()]
-    files[f"{info}/RECORD"] = "\n".join(record + [f"{info}/RECORD,,"]) + "\n"
-    with zipfile.ZipFile(folder / "gpu_check_probe-1.0-py3-none-any.whl", "w") as wheel:
-        for path, text in files.items():
-            wheel.writestr(path, text)
+    standin_wheel(folder, "gpu-check-probe", "1.0", requires, files={"gpu_check_probe/__init__.py": "VALUE = 42\n"})
     return folder
 
 
@@ -91,8 +81,9 @@ def test_scripts_install_the_wheel_folder_offline_then_say_there_is_no_gpu(tmp_p
     line = (f"{script}: no CUDA GPU on {socket.gethostname()} (nvidia-smi lists none): run it on a GPU node, "
             f"e.g. srun --gres=gpu:1 --pty bash benchmarks/{script} WHEELS")
     assert proc.returncode == 1 and proc.stdout == ""
-    assert proc.stderr.splitlines() == [f"{script}: installed 1 wheels offline into {tmp_path / 'env'} in "
-                                        f"{proc.stderr.split(' in ')[-1].splitlines()[0]}", line]
+    seconds = proc.stderr.split(" in ")[-1].split(" s;")[0]
+    assert proc.stderr.splitlines() == [f"{script}: installed 1 of 1 wheels offline into {tmp_path / 'env'} in "
+                                        f"{seconds} s; kept the machine's own: none", line]
     assert (report["ok"], report["error"], report["exit_status"], report["check"]) == (False, line, 1, script[:-3])
     # The environment has the wheel and, behind it, this interpreter's own packages.
     probe = subprocess.run([str(tmp_path / "env" / "bin" / "python"), "-c",
@@ -116,8 +107,13 @@ def test_scripts_refuse_a_missing_or_incomplete_wheel_folder(tmp_path):
 
 
 def test_gpu_check_says_when_torch_sees_no_gpu(tmp_path):
+    """With a GPU listed but a CPU torch: gpu_check.py's one line, in the JSON too, after the
+    settings gpu_check.sh gives it (the image's pytest plugins off, fused Adam built for the listed
+    GPU's architecture, the time left of its 470 s)."""
     wheels = probe_wheel_folder(tmp_path / "wheels", [])
-    proc, report = _run_script("gpu_check.sh", [wheels], _fake_nvidia_smi(tmp_path, 1), tmp_path)
+    env = {k: v for k, v in _fake_nvidia_smi(tmp_path, 1).items()
+           if k not in ("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "TORCH_CUDA_ARCH_LIST")}
+    proc, report = _run_script("gpu_check.sh", [wheels], env, tmp_path)
     import torch
 
     error = (f"SystemExit: gpu_check.py: torch {torch.__version__} sees no GPU (is it a CUDA build?); "
@@ -125,64 +121,191 @@ def test_gpu_check_says_when_torch_sees_no_gpu(tmp_path):
     assert proc.returncode == 1 and report["finished"] and not report["ok"]
     assert report["error"] == error and report["failures"] == [error]
     assert f"gpu_check: FAILED: {error}" in proc.stderr.splitlines()
+    settings = report["settings"]
+    assert (settings["PYTEST_DISABLE_PLUGIN_AUTOLOAD"], settings["TORCH_CUDA_ARCH_LIST"], settings["TRITON_INTERPRET"],
+            settings["steps"], settings["allow_optimizer_fallback"]) == ("1", "9.0", "0", 12, False)
+    assert 400 < settings["time_limit_s"] <= 470
+
+
+def test_the_install_keeps_the_machines_pytest(tmp_path):
+    """The folder's pytest (here a 99.0 stand-in) does not replace the machine's own: the check's
+    environment sees the machine's pytest, and the record says so. Before issue 34 every wheel
+    of the folder was installed over the machine's packages."""
+    from importlib.metadata import version
+
+    from gpu_rehearsal_image import standin_wheel
+
+    wheels = probe_wheel_folder(tmp_path / "wheels", ["pytest>=7"])
+    standin_wheel(wheels, "pytest", "99.0")
+    proc, report = _run_script("gpu_check.sh", [wheels], _fake_nvidia_smi(tmp_path, 0), tmp_path)
+    assert proc.returncode == 1 and "no CUDA GPU" in report["error"]
+    assert proc.stderr.splitlines()[0].endswith(f"kept the machine's own: pytest {version('pytest')}")
+    seen = subprocess.run([str(tmp_path / "env" / "bin" / "python"), "-c",
+                           "from importlib.metadata import version; print(version('pytest'))"],
+                          capture_output=True, text=True, check=True)
+    assert seen.stdout.strip() == version("pytest")
+    assert json.loads((tmp_path / "env" / "install_record.json").read_text()) == {
+        "installed": [{"name": "gpu-check-probe", "version": "1.0"}],
+        "kept": [{"name": "pytest", "machine_version": version("pytest"), "wheel_version": "99.0"}]}
 
 
 def _read(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def test_gpu_check_logic_on_cpu(tmp_path):
-    """The 1-GPU check's stages on CPU (tiny configs): the kernel tests under pytest, fused vs
-    PyTorch LEV (Triton's interpreter), both kinds trained with the Slurm scripts' per-GPU batch;
-    the JSON file written at the end equals the printed report."""
-    out = tmp_path / "gpu_check.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--tiny",
-                           "--steps", "2", "--max-lev-over-tied", "100", "--output", str(out)],
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-                               "TRITON_INTERPRET": "1"},
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout)
-    assert report == _read(out) and report["ok"] and report["finished"] and report["failures"] == []
-    assert report["stages_done"] == ["kernel_tests", "fused_vs_pytorch", "training"]
-    kernels = report["kernel_tests"]
-    assert (kernels["tests"], kernels["failures"], kernels["errors"], kernels["skipped"]) == (1, 0, 0, 0)
-    fused = report["fused_vs_pytorch"]
-    assert 0 < max(fused["relative_max_diffs"].values()) <= fused["tolerance"] and fused["fused_failure"] is None
-    assert set(fused["relative_max_diffs"]) == {"output", "codebooks", "w_seed", "ln_gamma", "ln_beta", "delta",
-                                                "w_out"}
-    kinds = report["training"]["kinds"]
-    assert set(kinds) == {"lev", "tied"}
-    assert report["training"]["lev_over_tied_step_time"] == pytest.approx(
-        kinds["lev"]["step_time_s_median"] / kinds["tied"]["step_time_s_median"], rel=1e-12)
-    for k in kinds.values():
-        # slurm/train_*_1b.sh on a node of 8: global batch 8 -> 1 sequence per GPU, no accumulation.
-        assert (k["micro_batch_size"], k["gradient_accumulation_steps"], k["global_batch_size"]) == (1, 1, 1)
-        assert len(k["losses"]) == 3 and all(0 < loss < 2 * math.log(1000) for loss in k["losses"])
-        assert k["tokens_per_s"] == pytest.approx(64 / k["step_time_s_median"], rel=1e-12)
-        assert k["attempts"] == [{"micro_batch_size": 1, "gradient_accumulation_steps": 1, "result": "ok"}]
-
-
-def test_gpu_check_fails_on_nan_ratio_or_fused_kernels_not_run():
+def test_an_optimizer_fallback_is_recorded_and_warned(monkeypatch):
+    """On a GPU, DeepSpeed's fused Adam failing to build (and apex missing) falls back to torch's
+    fused AdamW: the reasons are kept in training.optim.optimizer_fallbacks (the GPU check's JSON
+    reads them) and the first is warned about. Before issue 34 the fallback was silent."""
     import torch
 
-    from gpu_check import failures
+    from megatron_lev.training import optim
 
-    def report(losses=(2.0, 1.9), ratio=1.01, launches=(3, 3), kernels_ok=True):
-        return {"kernel_tests": {"ok": kernels_ok}, "fused_vs_pytorch": {"ok": True},
-                "training": {"lev_over_tied_step_time": ratio, "kinds": {
-                    "lev": {"losses": list(losses), "fused_failure": None,
-                            "fused_kernel_launches": dict(zip(("forward", "backward"), launches))},
-                    "tied": {"losses": [2.0, 1.9]}}}}
+    def no_fused_adam(groups, kwargs):
+        raise RuntimeError("Error building extension 'fused_adam'\nninja: build stopped")
 
-    cuda = torch.device("cuda")
-    assert failures(report(), cuda, 1.05) == []
-    assert failures(report(losses=(2.0, float("nan"))), cuda, 1.05) == ["lev: non-finite loss [2.0, nan]"]
-    assert failures(report(ratio=1.07), cuda, 1.05) == ["lev_over_tied_step_time 1.070 > 1.05"]
-    assert failures(report(launches=(3, 0)), cuda, 1.05) == [
-        "lev: the fused LEV kernels did not run (launches {'forward': 3, 'backward': 0}, failure None)"]
-    assert failures(report(launches=(0, 0)), torch.device("cpu"), 1.05) == []  # CPU: the PyTorch path is right
-    assert failures(report(kernels_ok=False), cuda, 1.05) == ["kernel_tests failed"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(optim, "_deepspeed_fused_adam", no_fused_adam)
+    monkeypatch.setattr(optim, "optimizer_fallbacks", [])
+    model = torch.nn.Linear(4, 4)
+    with pytest.warns(UserWarning) as caught:
+        optimizer = optim.build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    assert type(optimizer) is torch.optim.AdamW
+    apex = optim.optimizer_fallbacks[1]
+    assert optim.optimizer_fallbacks == ["DeepSpeed's FusedAdam: RuntimeError: Error building extension 'fused_adam'",
+                                         apex] and apex.startswith("apex's FusedAdam: ModuleNotFoundError: ")
+    assert [str(w.message) for w in caught if "AdamW:" in str(w.message)] == [
+        "AdamW: DeepSpeed's FusedAdam: RuntimeError: Error building extension 'fused_adam'; using torch's fused "
+        "AdamW instead (same update, another kernel)"]
+
+
+def test_a_deepspeed_engine_is_freed_only_after_destroy():
+    """ZeRO's gradient hooks sit in the parameters' autograd nodes (C++) and refer back to the
+    optimizer: a deleted engine is never collected unless DeepSpeed's destroy() takes them out
+    first, so the check before issue 34, which deleted its LEV engine and collected, kept it (and
+    its memory) while tied ran. gpu_check_training.release_engine destroys it."""
+    import gc
+    import weakref
+
+    import torch
+
+    from gpu_check_training import build_trainer_engine, optimizer_step, release_engine, slurm_train_argv
+    from bench_train import as_inputs, zipf_batches
+    from tests.distributed import one_in_process_rank
+
+    collected = {}
+    with one_in_process_rank():
+        argv = slurm_train_argv("train_tied_1b.sh", 8, "h100", "tiny-tied")
+        for released in (False, True):
+            args, config, engine = build_trainer_engine(argv, 1, {"--no-compile-layers": ""})
+            optimizer_step(engine, [as_inputs(zipf_batches(config.vocab_size, 1, 64, 1)[0], torch.device("cpu"),
+                                              config.vocab_size)])
+            ref = weakref.ref(engine)
+            if released:
+                release_engine(engine)
+            del engine
+            gc.collect()
+            collected[released] = ref() is None
+    assert collected == {False: False, True: True}
+
+
+def test_the_documented_device_call(tmp_path):
+    """docs/performance.md gives one call for a machine that receives a copy of the working
+    tree: it carries the wheel folder (git ignores runs/, so it travels only when carried), and
+    OUTPUT puts the JSON into the folder that comes back."""
+    text = (REPO / "docs" / "performance.md").read_text()
+    block = text.split("<!-- device call -->")[1].split("```")[1]
+    assert block.startswith("text\n")
+    call = dict(line.split(": ", 1) for line in block.splitlines()[1:] if ": " in line)
+    assert json.loads(call["carry"]) == ["runs/gpu_wheels"]
+    assert call["command"] == ("set -o pipefail; OUTPUT=$OUT/gpu_check.json bash benchmarks/gpu_check.sh "
+                               "runs/gpu_wheels 2>&1 | tee $OUT/gpu_check.log")
+    assert int(call["timeout_s"]) == 600
+    ignored = subprocess.run(["git", "check-ignore", "-q", "runs/gpu_wheels/x.whl"], cwd=REPO)
+    assert ignored.returncode == 0  # ignored: only `carry` takes it along
+    assert 'folder=${1:-$repo/runs/gpu_wheels}' in (REPO / "benchmarks" / "gpu_wheels.sh").read_text()
+
+
+def test_rehearsal_of_the_first_gpu_call(tmp_path):
+    """benchmarks/gpu_rehearsal.sh: the wheels built, installed offline under a stand-in of the GPU
+    image's Python 3.12 (its pytest kept, plugins not autoloaded, megatron-core's cp312 wheel
+    among the carried ones, nothing of torch or CUDA), the rules under 3.12, then every stage of
+    gpu_check.py on CPU with assertions on the numbers its JSON reports."""
+    import statistics
+
+    import gpu_check_rules as rules
+
+    out = tmp_path / "rehearsal"
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_rehearsal.sh"), str(out)],
+                          env={**os.environ, "LOGIC_PYTHON": sys.executable}, capture_output=True, text=True,
+                          timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    rehearsal = _read(out / "rehearsal.json")
+    assert rehearsal["ok"] and all(rehearsal["checks"].values())
+    assert rehearsal["python_version"] in ("3.12", f"{sys.version_info[0]}.{sys.version_info[1]}")
+    files = rehearsal["wheels"]["files"]
+    assert any(f.startswith(f"megatron_core-0.16.1-cp{rehearsal['python_version'].replace('.', '')}-") for f in files)
+    assert not [f for f in files if f.split("-")[0] in ("torch", "triton") or f.startswith("nvidia")]
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout.split(b"\0")
+    tree = sum((REPO / f.decode()).stat().st_size for f in tracked if f and (REPO / f.decode()).is_file())
+    assert rehearsal["wheels"]["bytes"] < 50 * 2**20 and rehearsal["wheels"]["bytes"] + tree < 64 * 2**20
+    record = rehearsal["install_record"]
+    assert {"name": "pytest", "machine_version": "8.4.2", "wheel_version": next(
+        f.split("-")[1] for f in files if f.startswith("pytest-"))} in record["kept"]
+    assert {"deepspeed", "megatron-core", "megatron-lev"} <= {w["name"] for w in record["installed"]}
+
+    report = _read(out / "gpu_check_cpu.json")
+    assert report["ok"] and report["finished"] and report["failures"] == []
+    assert report["stages_done"] == list(rules.STAGE_ORDER)
+    kernels = report["kernel_tests"]
+    assert (kernels["tests"], kernels["failures"], kernels["errors"], kernels["skipped"]) == (1, 0, 0, 0)
+    assert kernels["plugin_autoload_disabled"] and kernels["pytest"] == report["environment"]["pytest"]
+    fused = report["fused_vs_pytorch"]
+    assert 0 < max(fused["relative_max_diffs"].values()) <= fused["tolerance"] and fused["fused_failure"] is None
+    gemm = report["gemm_ceiling"]
+    assert gemm["size"] == 256 and gemm["tflops"] == 2 * 256 ** 3 / gemm["seconds_median"] / 1e12
+
+    gpt = report["megatron_gpt"]
+    local = gpt["local"]
+    assert local["logits"] <= 1e-5 and local["loss"] <= 1e-5 and local["grads"] <= 1e-4
+    assert gpt["transformer_engine"]["skipped"].startswith("transformer_engine does not import here")
+    step = gpt["bf16_step"]
+    assert step["dtype"] == "torch.bfloat16" and step["losses_ours_gpt"]["after"][1] < step["losses_ours_gpt"]["before"][1]
+    assert max(step["relative_diffs"].values()) <= 2.0 ** -5
+
+    training = report["training"]
+    assert training["order"] == ["lev", "tied"] * 12 and training["label"] == rules.DP1_LABEL
+    assert training["memory"]["engines_collected"] == {"lev": True, "tied": True}
+    times = {}
+    for kind in ("lev", "tied"):
+        k = training["kinds"][kind]
+        # slurm/train_*_1b.sh on a node of 8: global batch 8 -> 1 sequence per GPU, no accumulation.
+        assert (k["micro_batch_size"], k["gradient_accumulation_steps"], k["global_batch_size"]) == (1, 1, 1)
+        assert k["lrs"] == [1e-3] * 12  # tiny-*.yaml's lr from the first step: no warm-up
+        losses = k["losses"]
+        assert len(losses) == 12 and all(0 < loss < 2 * math.log(1000) for loss in losses)
+        assert k["loss_falls"] == {"first_mean": sum(losses[:3]) / 3, "last_mean": sum(losses[-3:]) / 3, "falls": True}
+        assert k["optimizer"] == {"class": "torch.optim.adamw.AdamW", "fallbacks": []}
+        assert k["compile_fallbacks"]["decoder_layers"] == [] and k["learning_rate_problems"] == []
+        times[kind] = k["step_times_s"]
+        assert len(times[kind]) == 11 and k["step_time_s_median"] == statistics.median(times[kind])
+        assert k["tokens_per_s"] == pytest.approx(64 / k["step_time_s_median"], rel=1e-12)
+        assert k["mfu"] is None and k["mfu_of_measured_gemm_ceiling"] == pytest.approx(
+            k["model_tflops_per_s_per_gpu"] / gemm["tflops"], rel=1e-12)
+    ratio = training["lev_over_tied_step_time"]
+    assert ratio["comparable"] and ratio["median_ratio"] == statistics.median(times["lev"]) / statistics.median(
+        times["tied"])
+    assert ratio["pair_ratios"]["median"] == statistics.median(a / b for a, b in zip(times["lev"], times["tied"]))
+
+    bf16 = report["bf16_vs_fp32"]
+    assert bf16["within"] and len(bf16["fp32_losses"]) == len(bf16["bf16_losses"]) == 12
+    assert bf16["bounds"] == rules.bf16_loss_bounds(2, bf16["fp32_losses"], bf16["fp32_max_abs_logits"])
+    assert 0 < max(bf16["diffs"]) and bf16["worst_diff_over_bound"] < 1
+    resume = report["save_resume"]
+    assert resume["bit_exact"] and resume["losses"]["uninterrupted"] == resume["losses"]["resumed"]
+    assert resume["lrs"]["resumed"] == resume["lrs"]["uninterrupted"] == pytest.approx(
+        [1e-3 - i * 0.9e-3 / 6 for i in range(6)], rel=1e-9)
+    assert resume["checkpoint_tag"] == "iter_0000003" and resume["weights_replaced"]
 
 
 def test_gpu_check_multi_logic_on_two_cpu_ranks(tmp_path):
@@ -197,7 +320,7 @@ def test_gpu_check_multi_logic_on_two_cpu_ranks(tmp_path):
                            "--dp-size", "2", "--reference", str(reference)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = torchrun([script, "--device", "cpu", "--tiny", "--reference", str(reference), "--steps", "1",
+    proc = torchrun([script, "--device", "cpu", "--tiny", "--reference", str(reference), "--steps", "10",
                      "--output", str(out)], nproc=2)
     report = json.loads(proc.stdout)
     assert report == _read(out) and report["ok"], report
@@ -221,20 +344,23 @@ def test_gpu_check_multi_logic_on_two_cpu_ranks(tmp_path):
     assert dp["reference"]["losses"][2] < dp["reference"]["losses"][0]  # the steps really update the weights
 
     kinds = report["throughput"]["kinds"]
+    assert report["throughput"]["order"] == ["lev", "tied"] * 10
     for kind in ("lev", "tied"):
         # slurm/train_*_1b.sh DRY_RUN with CONFIG=tiny-*, 1 node x 2: global 8 / DP 2 -> micro-batch 4.
         assert (kinds[kind]["global_batch_size"], kinds[kind]["micro_batch_size"],
                 kinds[kind]["gradient_accumulation_steps"], kinds[kind]["data_parallel_size"]) == (8, 4, 1, 2)
         assert kinds[kind]["bf16"] and 0 < kinds[kind]["final_loss"] < 2 * math.log(1000)
-    assert report["throughput"]["lev_over_tied_step_time"] == pytest.approx(
+        assert kinds[kind]["lrs"] == [1e-3] * 10 and kinds[kind]["loss_falls"]["falls"]
+    assert report["throughput"]["lev_over_tied_step_time"]["median_ratio"] == pytest.approx(
         kinds["lev"]["step_time_s_median"] / kinds["tied"]["step_time_s_median"], rel=1e-12)
+    assert report["throughput"]["memory"]["engines_collected"] == {"lev": True, "tied": True}
 
 
 def test_gpu_check_multi_on_one_process_runs_its_one_gpu_part(tmp_path):
     """One GPU: the throughput stage (the Slurm scripts' per-GPU work) runs, the TP and DP
     checks say they need two GPUs, and the check passes (exit 0)."""
     out = tmp_path / "multi.json"
-    proc = torchrun([str(REPO / "benchmarks" / "gpu_check_multi.py"), "--device", "cpu", "--tiny", "--steps", "1",
+    proc = torchrun([str(REPO / "benchmarks" / "gpu_check_multi.py"), "--device", "cpu", "--tiny", "--steps", "10",
                      "--output", str(out)], nproc=1)
     report = json.loads(proc.stdout)
     assert report == _read(out) and report["ok"] and report["processes"] == 1
@@ -242,3 +368,38 @@ def test_gpu_check_multi_on_one_process_runs_its_one_gpu_part(tmp_path):
     assert report["tensor_parallel"] == report["data_parallel"] == {"skipped": "needs >= 2 GPUs", "ok": True}
     kinds = report["throughput"]["kinds"]
     assert (kinds["lev"]["data_parallel_size"], kinds["lev"]["global_batch_size"]) == (1, 8)  # all 8 on one rank
+
+
+def test_the_fused_adam_build_is_waited_for_recorded_and_stopped_when_it_hangs(monkeypatch):
+    """gpu_check.py builds DeepSpeed's fused Adam in a child process while the kernel tests run;
+    the engines' stages wait for it and the JSON records how it went; a build that hangs is
+    stopped (the engines then fall back, which the check reports)."""
+    import gpu_check
+
+    assert gpu_check.FusedAdamBuild(None).wait(5) == {"skipped": "not on CUDA: the optimizer there is torch's fused AdamW"}
+    done = gpu_check.FusedAdamBuild([sys.executable, "-c", "print('built fused_adam')"]).wait(60)
+    assert (done["returncode"], done["log_tail"]) == (0, "built fused_adam\n") and done["seconds"] < 60
+    monkeypatch.setattr(gpu_check, "FUSED_ADAM_BUILD_LIMIT_S", 1)
+    hung = gpu_check.FusedAdamBuild([sys.executable, "-c", "import time; time.sleep(60)"]).wait(600)
+    assert hung["returncode"].startswith("killed after ") and hung["seconds"] < 30
+
+
+def test_a_stage_that_raises_is_recorded_and_the_next_stages_still_run(tmp_path, monkeypatch):
+    """One call must answer every question it can: a stage's exception is that stage's result
+    (the check fails, naming it) and the stages after it still run."""
+    import gpu_check
+    import gpu_check_correctness
+
+    from tests.distributed import one_in_process_rank
+
+    def broken(device):
+        raise AttributeError("'GPTModel' object has no attribute 'x'")
+
+    monkeypatch.setattr(gpu_check_correctness, "megatron_gpt", broken)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    with one_in_process_rank():
+        report = gpu_check.main(["--device", "cpu", "--tiny", "--stages", "gemm_ceiling", "megatron_gpt",
+                                 "save_resume", "--output", str(tmp_path / "out.json")])
+    assert report["stages_done"] == ["gemm_ceiling", "save_resume"] and not report["ok"]
+    assert report["failures"] == ["megatron_gpt failed: AttributeError: 'GPTModel' object has no attribute 'x'"]
+    assert report["save_resume"]["bit_exact"] and _read(tmp_path / "out.json") == report

@@ -21,6 +21,8 @@ layer), on top of whichever schedule its groups follow; with it, or with `--lev-
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -110,14 +112,32 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, b
                                     lev_separate=lev_separate)]
     kwargs = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if torch.cuda.is_available():
-        candidates = (_deepspeed_cpu_adam,) if offload else (_deepspeed_fused_adam, _apex_fused_adam)
-        for make in candidates:
+        candidates = ((("DeepSpeed's CPUAdam", _deepspeed_cpu_adam),) if offload else
+                      (("DeepSpeed's FusedAdam", _deepspeed_fused_adam), ("apex's FusedAdam", _apex_fused_adam)))
+        failed = []
+        for name, make in candidates:
             try:
-                return make(groups, kwargs)
-            except Exception:  # op not buildable / package missing: next candidate
+                optimizer = make(groups, kwargs)
+            except Exception as exc:  # noqa: BLE001 - op not buildable / package missing: next candidate
+                first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+                failed.append(f"{name}: {type(exc).__name__}: {first_line}")
                 continue
+            _record_fallbacks(failed, type(optimizer).__name__)
+            return optimizer
+        _record_fallbacks(failed, "torch's fused AdamW")
     # torch's fused kernel exists for CUDA and CPU tensors alike (offloaded partitions too).
     return torch.optim.AdamW(groups, fused=True, **kwargs)
+
+
+# Every optimizer that build_optimizer tried and could not use in this process, with why (one
+# line each), in order: the GPU check reads it, and the first one is warned about.
+optimizer_fallbacks: list[str] = []
+
+
+def _record_fallbacks(failed: list[str], used: str) -> None:
+    if failed and not optimizer_fallbacks:
+        warnings.warn(f"AdamW: {failed[0]}; using {used} instead (same update, another kernel)")
+    optimizer_fallbacks.extend(failed)
 
 
 def _deepspeed_cpu_adam(groups, kwargs):
