@@ -187,8 +187,8 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 raise ClusterUnavailable(f"waiting for {what}: {why}; logs in {self.root}\n{self.daemon_logs()}")
             time.sleep(0.2)
 
-    def daemon_logs(self) -> str:
-        return "\n".join(f"--- {path.name}\n{_tail(path)}" for path in sorted(self.root.glob("*.out"))
+    def daemon_logs(self, lines: int = 15) -> str:
+        return "\n".join(f"--- {path.name}\n{_tail(path, lines)}" for path in sorted(self.root.glob("*.out"))
                          + sorted(self.root.glob("*.log")))
 
     def stop(self) -> None:

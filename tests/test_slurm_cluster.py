@@ -11,7 +11,8 @@ same line."""
 from __future__ import annotations
 
 import shlex
-from datetime import datetime
+import time
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -45,10 +46,14 @@ class Job:
         return "".join(_read(p) for p in sorted(self.log_root.glob(f"*-{self.id}/restart{restart}-node*.log")))
 
     def logs(self) -> str:
-        text = f"--- batch output of job {self.id}\n{self.out()[-4000:]}"
-        for path in sorted(self.log_root.glob(f"*-{self.id}/restart*-node*.log")):
+        """What a failing test shows: the job's record, its outputs and the daemons' logs (the
+        cluster's folder is gone after the run)."""
+        record = self.cluster.client(["scontrol", "-o", "show", "job", str(self.id)], check=False)
+        text = f"--- scontrol show job {self.id}\n{record.stdout.strip() or record.stderr.strip()}"
+        text += f"\n--- batch output of job {self.id}\n{self.out()[-4000:]}"
+        for path in sorted(self.log_root.glob(f"*-{self.id}/*.log")):
             text += f"\n--- {path.name} (tail)\n" + "\n".join(_read(path).splitlines()[-30:])
-        return text
+        return text + "\n" + self.cluster.daemon_logs(lines=40)
 
     def records(self) -> list[dict]:
         return _training_records(self.ckpt / "metrics.jsonl")
@@ -100,6 +105,12 @@ def preempted_job(slurm_cluster, cpu_smoke_env, tmp_path_factory):
     result["out0"], result["node0"], result["first"] = job.out(), job.node_log(0), job.records()
     result["latest0"] = job.latest()
     stopped_at = result["first"][-1]["iteration"] if result["first"] else 0
+    # Released by hand, but not within the second of the requeue: Slurm revokes the old start's
+    # credential at that second, and a start in the same second is killed ("Job credential
+    # revoked", JobState FAILED). The 120 s hold exists to prevent exactly that.
+    requeued_at = datetime.fromisoformat(result["requeued"]["SubmitTime"])
+    while datetime.now() < requeued_at + timedelta(seconds=2):
+        time.sleep(0.2)
     slurm_cluster.client(["scontrol", "update", f"JobId={job.id}", "StartTime=now"])
     job.wait_for(lambda j: any(r["iteration"] >= stopped_at + 3 for r in job.records())
                  or j["JobState"] not in ("PENDING", "RUNNING"), 600, f"iteration {stopped_at + 3} after the resume")
@@ -159,8 +170,9 @@ def test_usr1_checkpoints_requeues_and_resumes_at_the_next_iteration(preempted_j
     assert held.total_seconds() >= 100, requeued  # about 2 minutes (docs/slurm.md), then released by hand
     # The second start resumed from that checkpoint and went on at the next iteration.
     launch = _read(next(job.log_root.glob(f"*-{job.id}/launch.log")))
-    assert f"restart 1 on {job.cluster.node}; resuming from checkpoint: iter_{stopped_at:07d}" in launch
-    assert f"resumed from {job.ckpt}/iter_{stopped_at:07d} at iteration {stopped_at}" in preempted_job["node1"]
+    assert f"restart 1 on {job.cluster.node}; resuming from checkpoint: iter_{stopped_at:07d}" in launch, job.logs()
+    assert f"resumed from {job.ckpt}/iter_{stopped_at:07d} at iteration {stopped_at}" in preempted_job["node1"], \
+        job.logs()
     records = preempted_job["records"]
     last = records[-1]["iteration"]
     assert last >= stopped_at + 3
