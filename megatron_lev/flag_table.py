@@ -33,7 +33,9 @@ def flag_table() -> str:
             if names and names[0] not in compat and names[0] not in own and names[0] != "--help":
                 rows.append((tool, ", ".join(f"`{n}`" for n in names)[1:-1], "supported",
                              SUPPORTED_NOTES.get(names[0], "")))
-        rows += [(tool, f, "ignored (warning)", reason) for f, (_, reason) in ignored.items()]
+        rows += [(tool, f, "ignored (warning)", reason + (f" (only {', '.join(accepted[0])}: another value is refused)"
+                                                         if accepted else ""))
+                 for f, (_, reason, *accepted) in ignored.items()]
         rows += [(tool, f, "refused", reason) for f, (_, reason) in refused.items()]
     counts = {s: sum(r[2] == s for r in rows) for s in ("supported", "ignored (warning)", "refused")}
     lines = [f"{counts['supported']} supported, {counts['ignored (warning)']} ignored with a warning, "

@@ -18,9 +18,12 @@ from megatron_lev.configs import load_config
 from megatron_lev.models.config import model_config_from_dict
 from tests.distributed import one_in_process_rank, run_distributed
 from tests.mcore_cpu import causal_mask, copy_weights_to_gpt, patch_mcore_for_cpu
+from tests.megatron_lm_record import recorded, recorded_namespace
 
 VOCAB, BATCH, SEQ, ITERATION = 1024, 2, 16, 7  # 1024: no vocabulary padding at TP 1 or 2
 SECTION = {**load_config("tiny-lev")["model"], "vocab_size": VOCAB}
+# Megatron-LM's --qk-layernorm --rotary-percent 0.5: the two settings pretrain_lev_gpt.py carried wrongly before.
+QK_PARTIAL_ROPE = {**SECTION, "qk_layernorm": True, "rotary_percent": 0.5}
 # fp32 bounds (relative to the largest magnitude of each tensor).
 LOGITS_RTOL, LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-5, 1e-4
 
@@ -48,6 +51,14 @@ def _compare(ours, gpt, vocab=VOCAB) -> dict:
     loss_ours.backward()
     loss_gpt.backward()
     gpt_params = dict(gpt.named_parameters())
+    if ours.config.qk_layernorm and ours.config.tensor_model_parallel_size > 1:
+        from megatron.core import parallel_state
+
+        # Megatron-LM's finalize_model_grads sums the q/k_layernorm gradients over TP (each rank holds
+        # other heads); the step would see these. Ours are summed in the backward already.
+        for name, param in gpt_params.items():
+            if "q_layernorm" in name or "k_layernorm" in name:
+                dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
     grads = {name: _rel(p.grad, gpt_params[to_mcore_name(name)].grad) for name, p in ours.named_parameters()}
     first_pad = ours.output_layer.vocab_size - ours.output_layer.vocab_start  # compare real columns only
     real = slice(0, max(0, min(first_pad, logits_ours.shape[-1])))
@@ -62,31 +73,43 @@ def _models(tp: int, section=SECTION, **gpt_overrides):
 
     config = model_config_from_dict(section, tensor_model_parallel_size=tp)
     ours = LeviathanModel(config)
+    if config.qk_layernorm:  # scales away from 1, so that each one matters (the same on every rank)
+        with torch.no_grad():
+            for name, param in ours.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    param.copy_(1 + 0.5 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
     gpt = build_lev_gpt_model_from_config(config, **gpt_overrides)
     copy_weights_to_gpt(ours, gpt)
     return config, ours, gpt
 
 
+def saved_args(tp: int, fmt: str, **changes) -> argparse.Namespace:
+    """The arguments Megatron-LM saves with a checkpoint of this run: the recorded namespace (its
+    dtypes and megatron-core's enums included), after `ITERATION` steps at `tp`, with what the
+    model builder and the training loop add (lev_vocab_size, padded_vocab_size, consumed samples)."""
+    from megatron.core.enums import ModelType
+
+    return recorded_namespace(tensor_model_parallel_size=tp, ckpt_format=fmt, lev_vocab_size=VOCAB,
+                              padded_vocab_size=VOCAB, consumed_train_samples=ITERATION * 8,
+                              data_path=["/data/pile/pile_text_document"], model_type=ModelType.encoder_or_decoder,
+                              **changes)
+
+
 def _save_megatron_lm_checkpoints(gpt, root: str, rank: int) -> None:
     """The model as Megatron-LM saves it: torch_dist (megatron-core dist_checkpointing of
-    {"model": sharded_state_dict}) and legacy torch (mp_rank_TT/model_optim_rng.pt)."""
+    {"model": sharded_state_dict} and the common entries, saved args included: common.pt) and legacy
+    torch (mp_rank_TT/model_optim_rng.pt)."""
     from megatron.core import dist_checkpointing
 
     tag = f"iter_{ITERATION:07d}"
     for fmt in ("torch_dist", "torch"):
         os.makedirs(os.path.join(root, fmt, tag), exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save({"model": gpt.sharded_state_dict(), "iteration": ITERATION},
-                            os.path.join(root, "torch_dist", tag))
+    dist_checkpointing.save({"model": gpt.sharded_state_dict(), "iteration": ITERATION, "checkpoint_version": 3.0,
+                             "args": saved_args(2, "torch_dist")}, os.path.join(root, "torch_dist", tag))
     legacy = os.path.join(root, "torch", tag, f"mp_rank_{rank:02d}")
     os.makedirs(legacy, exist_ok=True)
-    from megatron.core.enums import ModelType
-    from megatron.core.transformer.enums import AttnBackend
-
-    # args as Megatron-LM saves them: its Namespace holds dtypes and megatron-core's enums.
-    args = argparse.Namespace(tensor_model_parallel_size=2, params_dtype=torch.float32,
-                              attention_backend=AttnBackend.auto, model_type=ModelType.encoder_or_decoder)
-    torch.save({"args": args, "iteration": ITERATION,
+    torch.save({"args": saved_args(2, "torch"), "iteration": ITERATION,
                 "checkpoint_version": 3.0, "model": gpt.state_dict_for_save_checkpoint()},
                os.path.join(legacy, "model_optim_rng.pt"))
     if rank == 0:
@@ -104,8 +127,11 @@ def _tp2_rank(rank, world_size, root):
 
     patch_mcore_for_cpu()
     initialize_model_parallel(tensor_model_parallel_size=2)
+    _, ours, gpt = _models(2, QK_PARTIAL_ROPE)
+    out = {"qk": _compare(ours, gpt)}
+    out["qk"]["logits_full"] = gather_logits(out["qk"].pop("logits_gpt"), VOCAB)
     config, ours, gpt = _models(2)
-    out = _compare(ours, gpt)
+    out.update(_compare(ours, gpt))
     out["logits_full"] = gather_logits(out.pop("logits_gpt"), VOCAB)
 
     # Sequence parallelism: the embedding's [s/2, b, h] is this rank's half of the non-SP output,
@@ -162,6 +188,21 @@ def test_gpt_model_with_lev_equals_ours_tp2(tp2, tp1):
         assert _rel(tp1["diffs"]["logits_gpt"], d["logits_full"]) < LOGITS_RTOL
 
 
+def test_qk_layernorm_and_partial_rope_equal_ours_tp2(tp2, tp1):
+    """--qk-layernorm --rotary-percent 0.5 at TP=2: GPTModel's q/k_layernorm (their gradients summed over
+    TP, as Megatron-LM does) and its partial RoPE equal this project's decoder, and the TP=1 model."""
+    _, ours, gpt = _models(1, QK_PARTIAL_ROPE)  # (tp1: the in-process rank and the CPU stand-ins)
+    tp1_logits = _compare(ours, gpt)["logits_gpt"]
+    assert _rel(tp1_logits, tp1["diffs"]["logits_gpt"]) > 1e-3  # the settings change the model
+    for rank, d in enumerate(tp2["ranks"]):
+        d = d["qk"]
+        print(f"TP=2 qk_layernorm + rotary_percent 0.5, rank {rank}: logits {d['logits']:.2e}, grads {d['grad']:.2e}")
+        assert d["logits"] < LOGITS_RTOL and d["loss"] < LOSS_RTOL and d["grad"] < GRAD_RTOL, (rank, d)
+        assert {name for name in d["grads"] if "_norm." in name and "attention" in name} == {
+            f"layers.{i}.attention.{q}_norm.weight" for i in range(2) for q in "qk"}
+        assert _rel(tp1_logits, d["logits_full"]) < LOGITS_RTOL
+
+
 def test_sequence_parallel_embedding_is_the_sequence_split(tp2):
     for rank, d in enumerate(tp2["ranks"]):
         assert d["sp_shape"] == (SEQ // 2, BATCH, SECTION["hidden_size"])
@@ -211,18 +252,24 @@ def _word_level_tokenizer(path: str, size: int) -> str:
     return path
 
 
-def test_convert_from_mcore_exports_the_source_models_logits(tp2, tp1, tmp_path, capsys):
-    import yaml
-    from transformers import AutoModelForCausalLM
-
+def _convert(load: str, out: str, *flags: str, capsys=None) -> tuple[int, str]:
     from megatron_lev.hf.cli import convert_from_mcore_main
 
-    config_path = tmp_path / "model.yaml"
-    config_path.write_text(yaml.safe_dump({"model": SECTION}))
+    if capsys is not None:
+        capsys.readouterr()
+    code = convert_from_mcore_main(["--load", load, "--output", out, *flags])
+    return code, capsys.readouterr().err.strip() if capsys is not None else ""
+
+
+def test_convert_from_mcore_reads_the_model_from_the_checkpoint(tp2, tp1, tmp_path, capsys):
+    """No sidecar: the model's settings are the arguments Megatron-LM saved in common.pt; the export
+    has the GPTModel's logits, and its card says where it came from (read from the same arguments)."""
+    from transformers import AutoModelForCausalLM
+
     tokenizer = _word_level_tokenizer(str(tmp_path / "tokenizer.json"), VOCAB)
     out = str(tmp_path / "hf")
-    assert convert_from_mcore_main(["--load", os.path.join(tp2["root"], "torch_dist"), "--config", str(config_path),
-                                    "--output", out, "--tokenizer-model", tokenizer]) == 0
+    code, err = _convert(os.path.join(tp2["root"], "torch_dist"), out, "--tokenizer-model", tokenizer, capsys=capsys)
+    assert code == 0, err
     assert json.load(open(os.path.join(out, "config.json")))["vocab_size"] == VOCAB
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, trust_remote_code=True).eval()
     ids, _, _, _ = _data()
@@ -232,15 +279,65 @@ def test_convert_from_mcore_exports_the_source_models_logits(tp2, tp1, tmp_path,
     with capsys.disabled():
         print(f"HF export vs the GPTModel: logits max relative diff {diff:.2e}")
     assert diff < LOGITS_RTOL
-    # A wrong config is one line naming the tensor.
-    capsys.readouterr()  # (transformers' progress bars)
-    bad = tmp_path / "bad.yaml"
+    card = open(os.path.join(out, "README.md"), encoding="utf-8").read()
+    for line in ("Exported by megatron_lev's `megatron-lev-convert-from-mcore` from checkpoint `torch_dist/iter_0000007`.",
+                 "| trained with | Megatron-LM (pretrain_lev_gpt.py), TP 2 x PP 1, torch_dist checkpoint |",
+                 "| training iterations | 7 |", f"| training tokens | {ITERATION * 8 * 64:,} |",
+                 "| training data | `pile_text_document` |"):
+        assert line in card, line
+
+
+def test_convert_from_mcore_config_must_agree_and_tokenizer_is_needed(tp2, tmp_path, capsys):
+    """A YAML is still accepted, if it describes the checkpoint's model (the legacy layout here); one
+    that does not, or a NullTokenizer run without a tokenizer, is one line and exit 2."""
+    import yaml
+
+    tokenizer = _word_level_tokenizer(str(tmp_path / "tokenizer.json"), VOCAB)
+    legacy = os.path.join(tp2["root"], "torch")
+    good, bad = tmp_path / "model.yaml", tmp_path / "bad.yaml"
+    good.write_text(yaml.safe_dump({"model": {**SECTION, "hidden_dropout": 0.1}}))  # dropout: not the weights' meaning
     bad.write_text(yaml.safe_dump({"model": {**SECTION, "ffn_hidden_size": 256}}))
-    assert convert_from_mcore_main(["--load", os.path.join(tp2["root"], "torch"), "--config", str(bad),
-                                    "--output", str(tmp_path / "hf2"), "--tokenizer-model", tokenizer]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("convert_from_mcore: error: ") and "layers.0.mlp.gate_up.weight has shape (384, 64)" in err
-    assert len(err.splitlines()) == 1
+    assert _convert(legacy, str(tmp_path / "a"), "--config", str(good), "--tokenizer-model", tokenizer,
+                    capsys=capsys)[0] == 0
+    code, err = _convert(legacy, str(tmp_path / "b"), "--config", str(bad), "--tokenizer-model", tokenizer,
+                         capsys=capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"convert_from_mcore: error: --config {bad} describes another model than ") and \
+        err.endswith("(ffn_hidden_size: 256 in it, 192 in the checkpoint's arguments)"), err
+    code, err = _convert(legacy, str(tmp_path / "c"), capsys=capsys)
+    assert code == 2 and err == ("convert_from_mcore: error: the checkpoint was trained with --tokenizer-type "
+                                 "NullTokenizer (ids without text): pass --tokenizer-type/--tokenizer-model (or "
+                                 "--vocab-file/--merge-file) for the tokenizer its ids stand for")
+    assert not any(p.name in "abc" and p.name != "a" for p in tmp_path.iterdir())  # nothing half-written
+
+
+@pytest.mark.parametrize("damage", ["missing torch_dist shard", "truncated torch_dist shard", "missing common.pt",
+                                    "missing legacy rank", "truncated legacy file"])
+def test_damaged_megatron_lm_checkpoint_is_one_line_exit_2(damage, tp2, tmp_path, capsys):
+    import shutil
+
+    fmt = "torch_dist" if "legacy" not in damage else "torch"
+    load = str(tmp_path / fmt)
+    shutil.copytree(os.path.join(tp2["root"], fmt), load)
+    tag = os.path.join(load, f"iter_{ITERATION:07d}")
+    target = {"missing torch_dist shard": "__1_0.distcp", "truncated torch_dist shard": "__0_0.distcp",
+              "missing common.pt": "common.pt", "missing legacy rank": "mp_rank_01",
+              "truncated legacy file": "mp_rank_01/model_optim_rng.pt"}[damage]
+    path = os.path.join(tag, target)
+    if damage.startswith("truncated"):
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    else:
+        (shutil.rmtree if os.path.isdir(path) else os.remove)(path)
+    tokenizer = _word_level_tokenizer(str(tmp_path / "tokenizer.json"), VOCAB)
+    code, err = _convert(load, str(tmp_path / "hf"), "--tokenizer-model", tokenizer, capsys=capsys)
+    expected = {"missing torch_dist shard": f"{path}: missing shard (named by {tag}/.metadata)",
+                "truncated torch_dist shard": f"{path}: truncated shard (",
+                "missing common.pt": f"{path}: missing (every torch_dist checkpoint of Megatron-LM has one)",
+                "missing legacy rank": f"{tag}: tensor-parallel ranks [0] of the 2 the checkpoint was saved with",
+                "truncated legacy file": f"{path}: cannot be read, damaged or truncated"}[damage]
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("convert_from_mcore: error: " + expected), err
+    assert not os.path.exists(tmp_path / "hf")
 
 
 def test_gpt_models_rope_ignores_position_ids(tp1):
@@ -269,16 +366,6 @@ def test_padding_logits_raise_gpt_models_loss(vocab, low, high, tp1):
 
 # --------------------------------------------------------------------------- Megatron-LM's provider
 
-RECORDED_ARGS = os.path.join(os.path.dirname(__file__), "data", "megatron_lm", "pretrain_gpt_args.json")
-
-
-def _recorded_namespace():
-    """Megatron-LM's pretrain_gpt namespace, recorded by tools/megatron_lm/record_args.py."""
-    with open(RECORDED_ARGS, encoding="utf-8") as f:
-        record = json.load(f)
-    restore = lambda v: getattr(torch, v["__dtype__"]) if isinstance(v, dict) and "__dtype__" in v else v  # noqa: E731
-    return argparse.Namespace(**{k: restore(v) for k, v in record["args"].items()}), record
-
 
 def test_add_lev_args_has_one_flag_per_lev_field():
     import dataclasses
@@ -296,37 +383,36 @@ def test_add_lev_args_has_one_flag_per_lev_field():
             args.lev_digit_order, args.lev_num_modes) == (2, False, 20, 0.01, "lsb_first", 64)
 
 
-def test_provider_builds_from_megatron_lm_namespace(tp1, tmp_path):
-    import yaml
-
-    from megatron_lev.checkpointing.mcore import MODEL_SECTION_FILE
+def test_provider_builds_from_megatron_lm_namespace(tp1):
     from megatron_lev.lev.generator import LEVConfig
-    from megatron_lev.megatron_lm.provider import model_provider
+    from megatron_lev.megatron_lm.arguments import model_section_from_args
+    from megatron_lev.megatron_lm.provider import lev_gpt_builder
     from megatron_lev.models.gpt_lev import LEVLanguageModelEmbedding
 
-    args, record = _recorded_namespace()
+    args, record = recorded_namespace(), recorded()
     assert record["megatron_lm"].startswith("core_v0.16.1") and len(record["args"]) > 600
     assert args.lev_num_heads == 4 and args.padded_vocab_size is None  # set by Megatron-LM's tokenizer later
-    args.save = str(tmp_path)
-    model = model_provider(True, True, args=args)
+    model = lev_gpt_builder(args, True, True)
     assert isinstance(model.embedding, LEVLanguageModelEmbedding) and not model.share_embeddings_and_output_weights
-    assert model.embedding.lev_config == LEVConfig(vocab_size=1024, hidden_size=64, num_heads=4, seed_dim=16,
+    # NullTokenizer --vocab-size 1023: 1023 ids and its EOD (Megatron-LM's rule), recorded for the converter.
+    assert args.lev_vocab_size == VOCAB
+    assert model.embedding.lev_config == LEVConfig(vocab_size=VOCAB, hidden_size=64, num_heads=4, seed_dim=16,
                                                    num_knots=8, num_modes=16)
     cfg = model.config
     assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_query_groups, cfg.normalization,
             cfg.gated_linear_unit, cfg.add_bias_linear, cfg.hidden_dropout) == (2, 64, 192, 2, "RMSNorm", True, False, 0.0)
-    assert model.output_layer.weight.shape == (1024, 64) and model.rotary_pos_emb.inv_freq.shape == (8,)
+    assert model.output_layer.weight.shape == (VOCAB, 64) and model.rotary_pos_emb.inv_freq.shape == (8,)
     # --seed seeds LEV as init_seed does here: the generator is this project's, weight for weight.
     ours = dict(tp1["ours"].named_parameters())
     for name, param in model.embedding.named_parameters():
         assert torch.equal(param, ours["embedding." + name]), name
-    # The model section written into --save describes the same model (the converter's --config).
-    section = yaml.safe_load(open(os.path.join(args.save, MODEL_SECTION_FILE)))["model"]
-    assert model_config_from_dict(section).to_dict() == tp1["config"].to_dict()
+    # The model section read from the namespace (what the converter reads from a checkpoint's saved
+    # arguments) describes the same model.
+    assert model_config_from_dict(model_section_from_args(args, VOCAB)).to_dict() == tp1["config"].to_dict()
 
     args.untie_embeddings_and_output_weights = False
     with pytest.raises(ValueError, match="^--untie-embeddings-and-output-weights is required"):
-        model_provider(args=args)
+        lev_gpt_builder(args)
 
 
 class _Hostile:

@@ -54,6 +54,7 @@ _LAYER_PARTITIONS = {
     "mlp.gate_up.weight": Partition(0, stride=2),
     "mlp.down.weight": Partition(1),
 }
+_QK_NORM_PARTITIONS = {"attention.q_norm.weight": REPLICATED, "attention.k_norm.weight": REPLICATED}  # qk_layernorm
 
 
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -69,6 +70,8 @@ def partition_of(name: str, embedding: str) -> Partition:
     match = _LAYER_KEY.match(name)
     if match and match.group(2) in _LAYER_PARTITIONS:
         return _LAYER_PARTITIONS[match.group(2)]
+    if match and match.group(2) in _QK_NORM_PARTITIONS:
+        return _QK_NORM_PARTITIONS[match.group(2)]
     if name == "final_norm.weight":
         return REPLICATED
     if name == "output_layer.weight" and embedding != "tied":
@@ -85,6 +88,14 @@ def partition_of(name: str, embedding: str) -> Partition:
                           "does not come from this version of megatron_lev.models")
 
 
+def layer_parameter_suffixes(config: LeviathanConfig) -> list[str]:
+    """A decoder layer's parameter names after `layers.i.`, in the model's order."""
+    suffixes = list(_LAYER_PARTITIONS)
+    if config.qk_layernorm:
+        suffixes[3:3] = list(_QK_NORM_PARTITIONS)  # the attention's, after its out_proj
+    return suffixes
+
+
 def expected_parameter_names(config: LeviathanConfig) -> list[str]:
     """Every parameter name of a LeviathanModel with this config (what a full state dict holds)."""
     if config.embedding == "lev":
@@ -92,7 +103,7 @@ def expected_parameter_names(config: LeviathanConfig) -> list[str]:
     else:
         names = ["embedding.weight"]
     for i in range(config.num_layers):
-        names += [f"layers.{i}.{suffix}" for suffix in _LAYER_PARTITIONS]
+        names += [f"layers.{i}.{suffix}" for suffix in layer_parameter_suffixes(config)]
     names.append("final_norm.weight")
     if config.embedding != "tied":
         names.append("output_layer.weight")

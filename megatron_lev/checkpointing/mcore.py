@@ -29,6 +29,7 @@ import warnings
 from typing import Optional
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lev.checkpointing.layout import expected_parameter_names, merge_tp_shards, partition_of, trim_vocab
 from megatron_lev.checkpointing.safe_load import UnsafeCheckpointError, safe_torch_load
@@ -37,9 +38,6 @@ from megatron_lev.models.mcore_args import from_mcore_name
 from megatron_lev.utils.errors import CheckpointError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
-# megatron_lm/provider.py writes the model's YAML section into --save under this name: the
-# converter's default --config.
-MODEL_SECTION_FILE = "megatron_lev_model.yaml"
 _MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 _LEGACY_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 _DCP_GLOBALS = {  # (module, name) that a DCP .metadata pickle may name; nothing else is built
@@ -121,6 +119,7 @@ def _read_torch_dist(iter_dir: str) -> dict[str, torch.Tensor]:
 
     reader = _Reader(iter_dir)
     metadata = reader.read_metadata()
+    _check_dcp_files(iter_dir, metadata)
     stacked = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
                for key, meta in metadata.state_dict_metadata.items()
                if isinstance(meta, TensorStorageMetadata) and key.startswith(_MODEL_PREFIXES)}
@@ -130,9 +129,8 @@ def _read_torch_dist(iter_dir: str) -> dict[str, torch.Tensor]:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(stacked, storage_reader=reader, no_dist=True)
-    except Exception as exc:
-        raise CheckpointError(f"{iter_dir}: cannot be read ({type(exc).__name__}: "
-                              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})") from None
+    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(f"{iter_dir}: cannot be read, damaged ({_first_failure(exc)})") from None
     out = {}
     for key, tensor in stacked.items():
         if key.startswith("decoder.layers."):  # [num_layers, ...]: one entry per layer
@@ -144,15 +142,43 @@ def _read_torch_dist(iter_dir: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def _check_dcp_files(iter_dir: str, metadata) -> None:
+    """Every data file `.metadata` names is there and long enough (one line naming the first that
+    is not), before DCP reads any."""
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        path = getattr(info, "relative_path", None)
+        if path is not None:
+            needed[path] = max(needed.get(path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = os.path.join(iter_dir, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: missing shard (named by {os.path.join(iter_dir, '.metadata')}): the "
+                                  "checkpoint is incomplete")
+        if os.path.getsize(path) < size:
+            raise CheckpointError(f"{path}: truncated shard ({os.path.getsize(path)} bytes, .metadata needs {size})")
+
+
+def _first_failure(exc: BaseException) -> str:
+    """The first underlying error of a DCP CheckpointException (or `exc`), as one line."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        inner = next(iter(failures.values()))
+        exc = getattr(inner, "exc", inner)
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 def _megatron_args_types() -> list:
-    """What Megatron-LM's saved `args` hold beyond torch's own types: the Namespace and
-    megatron-core's enums (args.model_type, args.attention_backend, ...)."""
+    """What Megatron-LM's saved `args` hold beyond torch's own types: the Namespace, megatron-core's
+    enums (args.model_type, args.attention_backend, ...) and the exit signal (args.exit_signal)."""
     import enum
+    import signal
 
     from megatron.core import enums
     from megatron.core.transformer import enums as transformer_enums
 
-    found = [argparse.Namespace]
+    found = [argparse.Namespace, signal.Signals]
     for module in (enums, transformer_enums):
         found += [v for v in vars(module).values()
                   if isinstance(v, type) and issubclass(v, enum.Enum) and v.__module__ == module.__name__]
@@ -164,8 +190,24 @@ def _safe_legacy_load(path: str) -> dict:
         return safe_torch_load(path)
 
 
-def _read_legacy(iter_dir: str, config: LeviathanConfig) -> dict[str, torch.Tensor]:
-    """Merge the TP ranks' "model" state dicts of a legacy checkpoint (this project's names)."""
+def read_saved_args(iter_dir: str) -> Optional[argparse.Namespace]:
+    """The argument namespace Megatron-LM saved with an iteration (torch_dist: common.pt; torch: the
+    first rank's model_optim_rng.pt), loaded safely; None when the checkpoint holds none."""
+    if _layout(iter_dir) == "torch_dist":
+        path = os.path.join(iter_dir, "common.pt")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: missing (every torch_dist checkpoint of Megatron-LM has one): the "
+                                  "checkpoint is incomplete")
+    else:
+        path = sorted(glob.glob(os.path.join(iter_dir, "mp_rank_*", "model_optim_rng.pt")))[0]
+    state = _safe_legacy_load(path)
+    args = state.get("args") if isinstance(state, dict) else None
+    return args if isinstance(args, argparse.Namespace) else None
+
+
+def _read_legacy(iter_dir: str, config: LeviathanConfig, tp: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """Merge the TP ranks' "model" state dicts of a legacy checkpoint (this project's names); `tp`:
+    the tensor-parallel size it was saved with, when known (its saved arguments)."""
     ranks = {}
     for path in sorted(glob.glob(os.path.join(iter_dir, "mp_rank_*", "model_optim_rng.pt"))):
         match = _LEGACY_RANK_DIR.match(os.path.basename(os.path.dirname(path)))
@@ -175,6 +217,9 @@ def _read_legacy(iter_dir: str, config: LeviathanConfig) -> dict[str, torch.Tens
             raise CheckpointError(f"{iter_dir}: a pipeline-parallel legacy checkpoint; convert it from "
                                   "--ckpt-format torch_dist (any PP) instead")
         ranks[int(match.group(1))] = path
+    if tp is not None and sorted(ranks) != list(range(tp)):
+        raise CheckpointError(f"{iter_dir}: tensor-parallel ranks {sorted(ranks)} of the {tp} the checkpoint was saved "
+                              "with: the checkpoint is incomplete")
     if sorted(ranks) != list(range(len(ranks))):
         raise CheckpointError(f"{iter_dir}: tensor-parallel ranks {sorted(ranks)} are not 0..{len(ranks) - 1}")
     shards: dict[str, list] = {}
@@ -198,10 +243,11 @@ def _our_name(key: str, source: str) -> Optional[str]:
         raise CheckpointError(f"{source}: {exc.args[0]}") from None
 
 
-def read_mcore_checkpoint(load_dir: str, config: LeviathanConfig,
-                          iteration: Optional[int] = None) -> tuple[dict[str, torch.Tensor], str]:
+def read_mcore_checkpoint(load_dir: str, config: LeviathanConfig, iteration: Optional[int] = None,
+                          tensor_model_parallel_size: Optional[int] = None) -> tuple[dict[str, torch.Tensor], str]:
     """A Megatron-LM GPTModel+LEV checkpoint -> (this project's full state dict for `config`, the
-    iteration folder read). Names, the vocabulary (padding rows dropped) and shapes are checked."""
+    iteration folder read). Names, the vocabulary (padding rows dropped) and shapes are checked;
+    `tensor_model_parallel_size` (the saved arguments') that a legacy checkpoint has all its ranks."""
     if config.embedding != "lev":
         raise CheckpointError(f"model embedding {config.embedding!r}: Megatron-LM conversion is for LEV models")
     iter_dir = find_iteration_dir(load_dir, iteration)
@@ -212,7 +258,7 @@ def read_mcore_checkpoint(load_dir: str, config: LeviathanConfig,
             if name is not None:
                 full[name] = tensor
     else:
-        full = _read_legacy(iter_dir, config)
+        full = _read_legacy(iter_dir, config, tensor_model_parallel_size)
     expected = expected_parameter_names(config)
     missing, unexpected = sorted(set(expected) - set(full)), sorted(set(full) - set(expected))
     if missing or unexpected:
@@ -229,6 +275,8 @@ def _check_shapes(full: dict[str, torch.Tensor], config: LeviathanConfig, source
     want = {"final_norm.weight": (h,), "output_layer.weight": (config.vocab_size, h)}
     lev = config.lev_config()
     heads, ds = lev.num_heads, lev.seed_dim
+    want.update({f"layers.{i}.attention.{n}_norm.weight": (dh,) for i in range(config.num_layers) for n in "qk"
+                 if config.qk_layernorm})
     want.update({f"embedding.generator.{k}": v for k, v in {
         "codebooks": (lev.num_coordinates, lev.base, ds), "w_seed": (heads, ds, ds), "ln_gamma": (heads, ds),
         "ln_beta": (heads, ds), "delta": (heads, ds, lev.num_knots, lev.num_modes),

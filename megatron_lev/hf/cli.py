@@ -5,8 +5,9 @@
         [--max-shard-size 5GB]
     python tools/convert_from_hf.py --load hf/lev-1.2b --save runs/lev-1.2b-ft
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 [--config lev-1.2b] [--bf16]
-    python tools/convert_from_mcore.py --load megatron-lm-save-dir --output hf/lev
-        --tokenizer-model tok.model [--config megatron_lev_model.yaml] [--iteration N] [--dtype ...]
+    python tools/convert_from_mcore.py --load megatron-lm-save-dir --output hf/lev [--iteration N]
+        [--tokenizer-model tok.model | --vocab-file vocab.json --merge-file merges.txt] [--config model.yaml]
+        [--dtype ...]
 
 Errors (a missing shard, an unknown layout, a tokenizer that disagrees with the model, ...)
 are one line on stderr and exit code 2.
@@ -20,13 +21,15 @@ import sys
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # conversion runs on CPU
 
 
-def add_export_flags(p: argparse.ArgumentParser, *, tokenizer_type_help: str, tokenizer_model_help: str,
-                     tokenizer_model_required: bool = False) -> None:
+def add_export_flags(p: argparse.ArgumentParser, *, tokenizer_type_help: str, tokenizer_model_help: str) -> None:
     """The Hugging Face folder's flags, shared by the commands that write one (save_hf_model)."""
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="weights' dtype (default: the checkpoint's)")
     p.add_argument("--tokenizer-type", choices=("SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                                                 "HuggingFaceTokenizer"), help=tokenizer_type_help)
-    p.add_argument("--tokenizer-model", required=tokenizer_model_required, help=tokenizer_model_help)
+                                                 "Llama2Tokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"),
+                   help=tokenizer_type_help)
+    p.add_argument("--tokenizer-model", help=tokenizer_model_help)
+    p.add_argument("--vocab-file", help="GPT2BPETokenizer: GPT-2's vocab.json (default: the checkpoint's)")
+    p.add_argument("--merge-file", help="GPT2BPETokenizer: GPT-2's merges.txt (default: the checkpoint's)")
     p.add_argument("--materialize-embeddings", action="store_true",
                    help="lev models: write the generated V x D table, loadable as a standard LlamaForCausalLM")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
@@ -66,11 +69,11 @@ def from_mcore_parser() -> argparse.ArgumentParser:
                     "TP/PP, or legacy torch at any TP) to a Hugging Face folder (docs/megatron-lm.md).")
     p.add_argument("--load", required=True, help="Megatron-LM's --save folder, or one of its iter_NNNNNNN folders")
     p.add_argument("--iteration", type=int, help="checkpoint to convert (default: latest_checkpointed_iteration.txt)")
-    p.add_argument("--config", help="YAML (or packaged config name) whose model: section describes the model "
-                   "(default: LOAD/megatron_lev_model.yaml, written by megatron_lev's model provider)")
+    p.add_argument("--config", help="YAML (or packaged config name) whose model: section must agree with the "
+                   "checkpoint's saved arguments (needed only for a checkpoint without them)")
     p.add_argument("--output", required=True, help="Hugging Face folder to create (must not exist, or be empty)")
-    add_export_flags(p, tokenizer_type_help="default: guessed from --tokenizer-model",
-                     tokenizer_model_help="the tokenizer the model was trained with", tokenizer_model_required=True)
+    add_export_flags(p, tokenizer_type_help="default: the checkpoint's (its saved --tokenizer-type), else guessed "
+                     "from --tokenizer-model", tokenizer_model_help="default: the checkpoint's saved --tokenizer-model")
     return p
 
 
@@ -86,7 +89,8 @@ def convert_to_hf_main(argv=None) -> int:
     try:
         out = export_checkpoint(args.load, args.output, iteration=args.iteration, dtype=args.dtype,
                                 tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                                materialize=args.materialize_embeddings, max_shard_size=args.max_shard_size)
+                                materialize=args.materialize_embeddings, max_shard_size=args.max_shard_size,
+                                vocab_file=args.vocab_file, merge_file=args.merge_file)
     except (ValueError, FileNotFoundError) as exc:  # CheckpointError/ExportError/ConfigError are ValueErrors
         return _fail("convert_to_hf", exc)
     print(f"wrote {out}")
@@ -109,21 +113,13 @@ def convert_from_hf_main(argv=None) -> int:
 
 def convert_from_mcore_main(argv=None) -> int:
     args = from_mcore_parser().parse_args(argv)
-    from megatron_lev.checkpointing.mcore import MODEL_SECTION_FILE, read_mcore_checkpoint
-    from megatron_lev.configs import load_config
-    from megatron_lev.hf.export import DTYPES, Provenance, load_tokenizer, save_hf_model
-    from megatron_lev.models.config import model_config_from_dict
+    from megatron_lev.hf.mcore_export import export_mcore_checkpoint
 
     try:
-        config_path = args.config or os.path.join(args.load, MODEL_SECTION_FILE)
-        cfg = model_config_from_dict(load_config(config_path)["model"])
-        full, source = read_mcore_checkpoint(args.load, cfg, args.iteration)
-        tokenizer = load_tokenizer(args.tokenizer_type, args.tokenizer_model, cfg.vocab_size)
-        iteration = os.path.basename(source).removeprefix("iter_")
-        out = save_hf_model(full, cfg, args.output, tokenizer, DTYPES[args.dtype] if args.dtype else None,
-                            args.materialize_embeddings, args.max_shard_size,
-                            provenance=Provenance(iteration=int(iteration) if iteration.isdigit() else None,
-                                                  source=source))
+        out = export_mcore_checkpoint(
+            args.load, args.output, iteration=args.iteration, config=args.config, tokenizer_type=args.tokenizer_type,
+            tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file, merge_file=args.merge_file,
+            dtype=args.dtype, materialize=args.materialize_embeddings, max_shard_size=args.max_shard_size)
     except (ValueError, FileNotFoundError) as exc:
         return _fail("convert_from_mcore", exc)
     print(f"wrote {out}")

@@ -5,9 +5,12 @@ This file is copied into every exported `embedding: lev` model folder, beside
 
     AutoConfig.from_pretrained(folder, trust_remote_code=True)
 
-returns a `LevConfig`. It is a `LlamaConfig` plus one field, `lev`: the LEV
+returns a `LevConfig`. It is a `LlamaConfig` plus two fields: `lev`, the LEV
 generator's hyper-parameters (the fields of `lev.LEVConfig` other than
-`vocab_size` and `hidden_size`, which are the model's own).
+`vocab_size` and `hidden_size`, which are the model's own), and `qk_layernorm`
+(an RMSNorm of each query and key head before RoPE, as Megatron-LM's --qk-layernorm).
+RoPE on part of each head is `rope_parameters["partial_rotary_factor"]` (the first
+dims, as vLLM and GPT-NeoX read it).
 """
 from transformers import LlamaConfig
 
@@ -18,6 +21,7 @@ class LevConfig(LlamaConfig):
     # LEVConfig fields except vocab_size / hidden_size (num_coordinates, seed_dim,
     # num_heads, num_knots, num_modes, digit_order, digit_base, ...).
     lev: dict | None = None
+    qk_layernorm: bool = False
 
     def __post_init__(self, **kwargs):
         self.lev = dict(self.lev or {})

@@ -36,20 +36,22 @@ RoPE needs no permutation: models/layers.py rotates two halves (`rotate_half`), 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import yaml
 
 from megatron_lev.checkpointing.layout import LEV_PREFIX, expected_parameter_names
+from megatron_lev.hf.card import Provenance, model_card, run_provenance
+from megatron_lev.hf.tokenizers import (SpecialTokens, infer_tokenizer_type, load_tokenizer, special_tokens,
+                                        write_tokenizer)
 from megatron_lev.hf.trust import LEV_AUTO_MAP, REMOTE_CODE_FILES
 from megatron_lev.models.config import LeviathanConfig, model_config_from_dict
-from megatron_lev.utils.errors import CheckpointError
+from megatron_lev.models.settings import hf_config_fields, model_fields_from_hf_config
+from megatron_lev.utils.errors import ExportError
+from megatron_lev.utils.files import update_json_file
 
 HF_LEV_PREFIX = "model.embed_tokens.generator."
 # The resolved YAML `model:` section, kept in config.json so an import restores it exactly.
@@ -62,9 +64,8 @@ _LAYER_MAP = {  # our per-layer suffix -> transformers' (one-to-one ones)
     "mlp.down.weight": "mlp.down_proj.weight",
 }
 
-
-class ExportError(CheckpointError):
-    """A model, folder or tokenizer that cannot be converted; the message names it."""
+_QK_NORM_MAP = {"attention.q_norm.weight": "self_attn.q_norm.weight",  # qk_layernorm (Qwen3's names)
+                "attention.k_norm.weight": "self_attn.k_norm.weight"}
 
 
 # --------------------------------------------------------------------------- weights
@@ -101,6 +102,10 @@ def materialize_lev_table(full: dict[str, torch.Tensor], cfg: LeviathanConfig, c
                       progress_bar(range(0, cfg.vocab_size, chunk), "materializing LEV embeddings", unit="chunk")])
 
 
+def _layer_map(cfg: LeviathanConfig) -> dict[str, str]:
+    return {**_LAYER_MAP, **(_QK_NORM_MAP if cfg.qk_layernorm else {})}
+
+
 def to_hf_state_dict(full: dict[str, torch.Tensor], cfg: LeviathanConfig, materialize: bool = False) -> dict[str, torch.Tensor]:
     """A full state dict (checkpointing/layout.py) in transformers' LLaMA / LevForCausalLM names."""
     out = {}
@@ -115,7 +120,7 @@ def to_hf_state_dict(full: dict[str, torch.Tensor], cfg: LeviathanConfig, materi
         out["model.embed_tokens.weight"] = full["embedding.weight"]
     for i in range(cfg.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        for suffix, hf_suffix in _LAYER_MAP.items():
+        for suffix, hf_suffix in _layer_map(cfg).items():
             out[theirs + hf_suffix] = full[ours + suffix]
         q, k, v = _qkv_split(full[ours + "attention.qkv.weight"], cfg)
         out[theirs + "self_attn.q_proj.weight"], out[theirs + "self_attn.k_proj.weight"] = q, k
@@ -144,7 +149,7 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], cfg: LeviathanConfig, source
         full["embedding.weight"] = take("model.embed_tokens.weight")
     for i in range(cfg.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        for suffix, hf_suffix in _LAYER_MAP.items():
+        for suffix, hf_suffix in _layer_map(cfg).items():
             full[ours + suffix] = take(theirs + hf_suffix)
         full[ours + "attention.qkv.weight"] = _qkv_join(*(take(theirs + f"self_attn.{p}_proj.weight") for p in "qkv"),
                                                         cfg)
@@ -164,34 +169,22 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], cfg: LeviathanConfig, source
 # --------------------------------------------------------------------------- configs
 
 
-@dataclass
-class SpecialTokens:
-    bos: Optional[int]
-    eos: int
-    pad: Optional[int]
-
-
 def hf_config(cfg: LeviathanConfig, tokens: SpecialTokens, dtype: torch.dtype, materialize: bool = False):
-    """The transformers config of a model: LevConfig (remote code) or LlamaConfig."""
+    """The transformers config of a model: LevConfig (remote code) or LlamaConfig; the keys of the
+    model's settings come from models/settings.py."""
     from transformers import LlamaConfig
 
     from megatron_lev.hf.configuration_lev import LevConfig
 
-    common = dict(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_query_groups, head_dim=cfg.kv_channels, hidden_act="silu",
-        max_position_embeddings=cfg.seq_length, initializer_range=cfg.init_method_std,
-        rms_norm_eps=cfg.layernorm_epsilon, rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rotary_base)},
-        attention_bias=False, mlp_bias=False, attention_dropout=0.0, tie_word_embeddings=cfg.embedding == "tied",
-        bos_token_id=tokens.bos, eos_token_id=tokens.eos, pad_token_id=tokens.pad, use_cache=True,
-    )
+    common = dict(hf_config_fields(cfg), bos_token_id=tokens.bos, eos_token_id=tokens.eos, pad_token_id=tokens.pad,
+                  use_cache=True)
     section = cfg.to_dict()
     if cfg.embedding == "lev" and not materialize:
-        config = LevConfig(lev=section["lev"], **common)
+        config = LevConfig(lev=section["lev"], qk_layernorm=cfg.qk_layernorm, **common)
         config.auto_map = dict(LEV_AUTO_MAP)
         config.architectures = ["LevForCausalLM"]
     else:
+        check_llama_export(cfg, materialize)
         config = LlamaConfig(**common)
         config.architectures = ["LlamaForCausalLM"]
         # A table model from here on (materialized LEV: untied); no generator fields.
@@ -202,32 +195,27 @@ def hf_config(cfg: LeviathanConfig, tokens: SpecialTokens, dtype: torch.dtype, m
     return config
 
 
+def check_llama_export(cfg: LeviathanConfig, materialize: bool) -> None:
+    """A standard LlamaForCausalLM has neither q/k norms nor partial RoPE (only LevForCausalLM does)."""
+    what = [flag for flag, on in (("qk_layernorm", cfg.qk_layernorm),
+                                  (f"rotary_percent {cfg.rotary_percent}", cfg.rotary_percent < 1.0)) if on]
+    if what:
+        how = ("export without --materialize-embeddings (LevForCausalLM has both)" if materialize else
+               "no standard transformers architecture has both")
+        raise ExportError(f"{' and '.join(what)}: a LlamaForCausalLM export cannot express it; {how}")
+
+
 def model_section_from_hf_config(config: dict, source: str) -> dict:
     """A YAML `model:` section from a config.json (ours or any LLaMA's)."""
     model_type = config.get("model_type")
     if model_type not in ("llama", "leviathan"):
         raise ExportError(f"{source}: unknown layout: model_type {model_type!r} (expected 'llama' or 'leviathan')")
-    unsupported = [f"{k}={config.get(k)!r}" for k, ok in (
-        ("hidden_act", config.get("hidden_act", "silu") == "silu"),
-        ("attention_bias", not config.get("attention_bias", False)),
-        ("mlp_bias", not config.get("mlp_bias", False)),
-        ("rope_parameters", (config.get("rope_parameters") or {}).get("rope_type", "default") == "default"),
-        ("rope_scaling", not config.get("rope_scaling")),
-    ) if not ok]
-    if unsupported:
-        raise ExportError(f"{source}: {', '.join(unsupported)} is not a Leviathan decoder (SwiGLU, no biases, plain RoPE)")
-    rope = config.get("rope_parameters") or {}
-    heads = config["num_attention_heads"]
-    section = dict(config.get(MODEL_SECTION_KEY) or {})
-    section.update(
-        vocab_size=config["vocab_size"], num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
-        ffn_hidden_size=config["intermediate_size"], num_attention_heads=heads,
-        num_query_groups=config.get("num_key_value_heads") or heads,
-        kv_channels=config.get("head_dim") or config["hidden_size"] // heads,
-        seq_length=config.get("max_position_embeddings", section.get("seq_length", 2048)),
-        rotary_base=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        layernorm_epsilon=config.get("rms_norm_eps", 1e-6),
-    )
+    try:
+        fields = model_fields_from_hf_config(config, source)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
+    section = {**dict(config.get(MODEL_SECTION_KEY) or {}), **fields}
+    section.setdefault("seq_length", 2048)
     if model_type == "leviathan":
         section["embedding"], section["lev"] = "lev", dict(config.get("lev") or {})
     else:
@@ -282,194 +270,6 @@ def read_safetensors(hf_dir: str) -> dict[str, torch.Tensor]:
     return state
 
 
-# --------------------------------------------------------------------------- tokenizer
-
-
-def infer_tokenizer_type(path: str) -> str:
-    if os.path.isdir(path) or path.endswith(".json"):
-        return "HuggingFaceTokenizer"
-    return "SentencePieceTokenizer"
-
-
-def load_tokenizer(tokenizer_type: Optional[str], tokenizer_model: str, vocab_size: int, flag: str = "--tokenizer-model",
-                   vocab_file: Optional[str] = None, merge_file: Optional[str] = None):
-    """Our pre-training tokenizer, checked against the model: it may not produce an id the
-    model cannot embed (fewer tokens than vocab_size is fine: padded vocabularies such as
-    GPT-NeoX's 50,277 tokens in a 50,304-row model). GPT2BPETokenizer: vocab_file/merge_file."""
-    from megatron_lev.data.tokenizer import build_tokenizer
-
-    if tokenizer_type == "GPT2BPETokenizer":
-        try:
-            tokenizer = build_tokenizer(tokenizer_type, None, vocab_file, merge_file)
-        except (FileNotFoundError, ValueError) as exc:
-            raise ExportError(f"{flag}: {exc}") from None
-        tokenizer_model = f"--vocab-file {vocab_file} --merge-file {merge_file}"
-    elif not tokenizer_model or not os.path.exists(tokenizer_model):
-        raise ExportError(f"{flag} {tokenizer_model}: no such file")
-    else:
-        tokenizer = build_tokenizer(tokenizer_type or infer_tokenizer_type(tokenizer_model), tokenizer_model)
-    if tokenizer.vocab_size > vocab_size:
-        raise ExportError(f"{flag} {tokenizer_model} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-                          f"{vocab_size}: not the tokenizer this model was trained with")
-    return tokenizer
-
-
-def special_tokens(tokenizer) -> SpecialTokens:
-    pad = tokenizer.pad if tokenizer.pad is not None and tokenizer.pad >= 0 else None
-    return SpecialTokens(bos=tokenizer.bos, eos=tokenizer.eod, pad=pad)
-
-
-def _spm_to_tokenizers(model_path: str):
-    """A `tokenizers` Tokenizer that encodes exactly like SentencePiece (BPE or unigram)."""
-    from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
-
-    proto = import_protobuf().ModelProto()
-    with open(model_path, "rb") as f:
-        proto.ParseFromString(f.read())
-    if proto.trainer_spec.model_type == 1:  # unigram
-        vocab = [(p.piece, p.score) for p in proto.pieces]
-    else:
-        vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
-    # legacy=True follows SentencePiece's own dummy prefix (one "▁" before the text).
-    return SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
-
-
-def write_tokenizer(tokenizer, out_dir: str, model_max_length: int) -> None:
-    """tokenizer.json + tokenizer_config.json (AutoTokenizer), plus SentencePiece's
-    tokenizer.model when that is the source (for llama.cpp and SentencePiece users).
-
-    No BOS/EOS is added on encode: pre-training never saw them (documents end with EOD).
-    """
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    from megatron_lev.data.tokenizer import GPT2BPETokenizer, SentencePieceTokenizer
-
-    if isinstance(tokenizer, SentencePieceTokenizer):
-        backend = _spm_to_tokenizers(tokenizer.path)
-        shutil.copyfile(tokenizer.path, os.path.join(out_dir, "tokenizer.model"))
-        unk = tokenizer._sp.unk_id()
-    elif isinstance(tokenizer, GPT2BPETokenizer):
-        backend, unk = tokenizer.backend_tokenizer(), None  # GPT-2's byte-level BPE as tokenizer.json
-    else:
-        path = tokenizer.path
-        backend = Tokenizer.from_file(os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path)
-        unk = None
-
-    def piece(i):
-        return None if i is None or i < 0 else tokenizer.inv_vocab[i]
-
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=piece(tokenizer.bos), eos_token=piece(tokenizer.eod),
-        pad_token=piece(tokenizer.pad), unk_token=piece(unk), model_max_length=model_max_length,
-        clean_up_tokenization_spaces=False)
-    hf.save_pretrained(out_dir)
-    # transformers 5 names its own class (TokenizersBackend), which transformers 4.x and the
-    # vLLM builds that pin it cannot import; both map PreTrainedTokenizerFast to tokenizer.json.
-    _update_json(os.path.join(out_dir, "tokenizer_config.json"), tokenizer_class="PreTrainedTokenizerFast")
-
-
-def _update_json(path: str, **keys) -> None:
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    data.update(keys)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-
-
-@dataclass
-class Provenance:
-    """What the model card says about where the weights come from (all optional)."""
-
-    iteration: Optional[int] = None
-    tokens: Optional[int] = None  # training tokens seen
-    data: Optional[str] = None  # --data-path (or --train-data-path)
-    valid_loss: Optional[float] = None  # the run's last validation loss at or before the checkpoint
-    source: Optional[str] = None  # the checkpoint folder
-
-
-def _public_names(paths: str) -> str:
-    """A released card names files, not where they sat: the base name of every path in a
-    space-separated list (blend weights pass through), so no local directory leaks."""
-    return " ".join(os.path.basename(p.rstrip("/")) or p for p in paths.split())
-
-
-def _run_and_tag(checkpoint: str) -> str:
-    """`run/iter_0000010` of a checkpoint folder: which run and iteration, not where it sat."""
-    path = os.path.normpath(checkpoint)
-    return os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
-
-
-def run_provenance(info) -> Provenance:
-    """A checkpoint's provenance: iteration, tokens (iterations x global batch x sequence),
-    data paths and its run's last logged validation loss (metrics.jsonl)."""
-    training = info.config.get("training") or {}
-    tokens = info.iteration * training["tokens_per_step"] if training.get("tokens_per_step") else None
-    data = training.get("data_path") or training.get("train_data_path")
-    valid = None
-    metrics = training.get("metrics_file") or os.path.join(info.load_dir, "metrics.jsonl")
-    if metrics and os.path.isfile(metrics):
-        with open(metrics, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if "valid_loss" in record and record.get("iteration", 0) <= info.iteration:
-                    valid = float(record["valid_loss"])
-    return Provenance(iteration=info.iteration, tokens=tokens, data=" ".join(map(str, data)) if data else None,
-                      valid_loss=valid, source=info.path)
-
-
-def model_card(name: str, cfg: LeviathanConfig, parameters: int, dtype: torch.dtype, materialize: bool,
-               provenance: Provenance) -> str:
-    """README.md: Hub metadata (model-index with the validation loss when known), then what
-    the model is and how to load it, with and without remote code."""
-    remote = cfg.embedding == "lev" and not materialize
-    kind = ("Leviathan (LEV embedding generator, remote code LevForCausalLM)" if remote else
-            "LLaMA-architecture decoder (LlamaForCausalLM)" +
-            (", LEV embeddings materialized into a table" if cfg.embedding == "lev" else f", {cfg.embedding} embeddings"))
-    meta = {"library_name": "transformers", "pipeline_tag": "text-generation",
-            "tags": ["megatron_lev", "leviathan" if cfg.embedding == "lev" else "llama", "llama"]}
-    if provenance.valid_loss is not None:
-        dataset = os.path.basename(provenance.data.split()[-1]) if provenance.data else "validation split"
-        meta["model-index"] = [{"name": name, "results": [{
-            "task": {"type": "text-generation", "name": "Causal language modeling"},
-            "dataset": {"type": dataset, "name": dataset, "split": "validation"},
-            "metrics": [{"type": "loss", "name": "validation loss", "value": round(provenance.valid_loss, 4)},
-                        {"type": "perplexity", "name": "validation perplexity",
-                         "value": round(math.exp(min(provenance.valid_loss, 50.0)), 2)}]}]}]
-    # With remote code, AutoTokenizer reads config.json's auto_map too: without the flag it asks "[y/N]".
-    trust = ", trust_remote_code=True" if remote else ""
-    load = [f'tokenizer = AutoTokenizer.from_pretrained("{name}"{trust})',
-            f'model = AutoModelForCausalLM.from_pretrained("{name}"{trust})']
-    rows = [("architecture", kind),
-            ("parameters", f"{parameters:,}"),
-            ("layers x hidden size", f"{cfg.num_layers} x {cfg.hidden_size} ({cfg.num_attention_heads} heads, "
-                                     f"{cfg.num_query_groups or cfg.num_attention_heads} kv heads)"),
-            ("vocabulary", f"{cfg.vocab_size:,}"), ("context length", f"{cfg.seq_length:,}"),
-            ("weights dtype", str(dtype).replace("torch.", "")),
-            ("training iterations", f"{provenance.iteration:,}" if provenance.iteration is not None else "unknown"),
-            ("training tokens", f"{provenance.tokens:,}" if provenance.tokens is not None else "unknown"),
-            ("training data", f"`{_public_names(provenance.data)}`" if provenance.data else "unknown"),
-            ("validation loss", f"{provenance.valid_loss:.4f} (perplexity {math.exp(min(provenance.valid_loss, 50)):.2f})"
-             if provenance.valid_loss is not None else "not measured")]
-    lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "", f"# {name}", "",
-             f"Exported by megatron_lev's `tools/convert_to_hf.py`"
-             + (f" from checkpoint `{_run_and_tag(provenance.source)}`." if provenance.source else "."), "",
-             "| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows), "",
-             "## Load", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-             *load, "```", ""]
-    if remote:
-        lines += ["The LEV generator is Python code shipped in this folder (`modeling_lev.py`, `lev.py`), hence "
-                  "`trust_remote_code=True`. Without remote code, export with `--materialize-embeddings`: the "
-                  "generated table makes a standard `LlamaForCausalLM` with the same outputs.", ""]
-    lines += ["The tokenizer adds no BOS/EOS when encoding (pre-training saw none); documents end with "
-              "the EOS token.", ""]
-    return "\n".join(lines)
-
-
 # --------------------------------------------------------------------------- export
 
 
@@ -519,7 +319,7 @@ def save_hf_model(full: dict[str, torch.Tensor], cfg: LeviathanConfig, output: s
         config = hf_config(cfg, tokens, dtype, materialize)
         config.save_pretrained(tmp)
         # transformers >= 4.56 reads `dtype`, older 4.x (and tools pinned to them) `torch_dtype`.
-        _update_json(os.path.join(tmp, "config.json"), torch_dtype=str(dtype).replace("torch.", ""))
+        update_json_file(os.path.join(tmp, "config.json"), torch_dtype=str(dtype).replace("torch.", ""))
         parameters = sum(t.numel() for k, t in state.items() if not (cfg.embedding == "tied" and k == "lm_head.weight"))
         with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
             f.write(model_card(os.path.basename(os.path.abspath(output)), cfg, parameters, dtype, materialize,
@@ -538,10 +338,12 @@ def save_hf_model(full: dict[str, torch.Tensor], cfg: LeviathanConfig, output: s
 
 def export_checkpoint(load_dir: str, output: str, iteration: Optional[int] = None, dtype: Optional[str] = None,
                       tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None,
-                      materialize: bool = False, max_shard_size: str | int = "5GB") -> str:
+                      materialize: bool = False, max_shard_size: str | int = "5GB",
+                      vocab_file: Optional[str] = None, merge_file: Optional[str] = None) -> str:
     """tools/convert_to_hf.py: a training checkpoint -> a Hugging Face folder.
 
-    The tokenizer defaults to the one the checkpoint's run trained with.
+    The tokenizer defaults to the one the checkpoint's run trained with (GPT2BPETokenizer's files:
+    `vocab_file` / `merge_file` where given).
     """
     from megatron_lev.checkpointing.convert import find_checkpoint, read_checkpoint
 
@@ -555,7 +357,7 @@ def export_checkpoint(load_dir: str, output: str, iteration: Optional[int] = Non
         tokenizer_model, flag = training.get("tokenizer_model"), f"the checkpoint's tokenizer (pass --tokenizer-model)"
         tokenizer_type = tokenizer_type or training.get("tokenizer_type")
     tokenizer = load_tokenizer(tokenizer_type, tokenizer_model, cfg.vocab_size, flag,
-                               training.get("vocab_file"), training.get("merge_file"))
+                               vocab_file or training.get("vocab_file"), merge_file or training.get("merge_file"))
     full = read_checkpoint(info)
     return save_hf_model(full, cfg, output, tokenizer, DTYPES[dtype] if dtype else None, materialize, max_shard_size,
                          provenance=run_provenance(info))

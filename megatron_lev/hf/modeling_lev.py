@@ -13,9 +13,21 @@ RoPE with the two-halves rotation, SwiGLU, RMSNorm, `generate()`), so only
 computes each token's embedding from its id. Its parameters are the generator's,
 under `model.embed_tokens.generator.` (codebooks, w_seed, ln_gamma, ln_beta, delta,
 w_out; all heads). The output head `lm_head` is untied, as in Leviathan.
+
+Two settings of Megatron-LM's GPTModel are added around LLaMA's attention, whose code runs
+unchanged: `qk_layernorm` (an RMSNorm of each query and key head, `self_attn.q_norm` /
+`k_norm` as in Qwen3, applied to q_proj / k_proj's output by a forward hook), and RoPE on
+the first `partial_rotary_factor` of each head's dims (`rope_parameters`): the hook reorders
+the query and key dims alike (scores are unchanged) so that LLaMA's two-halves rotation meets
+the rotated pairs, and `LevRotaryEmbedding` gives the other dims frequency 0.
 """
+import copy
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaForCausalLM, LlamaModel,
                                                       LlamaPreTrainedModel, LlamaRMSNorm, LlamaRotaryEmbedding)
 
@@ -45,6 +57,54 @@ class LevEmbedding(nn.Module):
         return self.generator.embed(input_ids).to(self.generator.w_out.dtype)
 
 
+def rotary_dims(config) -> tuple[int, int]:
+    """(head_dim, the rotated dims: int(head_dim x partial_rotary_factor), as Megatron-LM's RoPE)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    return head_dim, int(head_dim * factor) if factor < 1.0 else head_dim
+
+
+def rotary_head_order(head_dim: int, rotary_dim: int, device=None) -> torch.Tensor:
+    """Head dims reordered so that rotate_half's pairs (j, j + head_dim/2) are RoPE's pairs
+    (i, i + rotary_dim/2) of the first rotary_dim dims, followed by pairs of unrotated dims."""
+    half, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    spans = ((0, half), (rotary_dim, rotary_dim + rest), (half, rotary_dim), (rotary_dim + rest, head_dim))
+    return torch.cat([torch.arange(a, b, device=device) for a, b in spans])
+
+
+class LevRotaryEmbedding(LlamaRotaryEmbedding):
+    """LLaMA's rotary embedding over head_dim with frequency 0 (cos 1, sin 0) beyond the rotated
+    dims' frequencies, which are LLaMA's (default or llama3) for a head of rotary_dim dims."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.rope_type = "default"  # transformers re-initialises the buffers with the method below
+        inv_freq, self.attention_scaling = self.compute_default_rope_parameters(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+
+    def compute_default_rope_parameters(self, config=None, **kwargs):
+        config = config if config is not None else self.config
+        head_dim, rotary_dim = rotary_dims(config)
+        inner = copy.deepcopy(config)
+        inner.head_dim = rotary_dim
+        inner.rope_parameters = {k: v for k, v in config.rope_parameters.items() if k != "partial_rotary_factor"}
+        kind = inner.rope_parameters.get("rope_type", "default")
+        compute = LlamaRotaryEmbedding.compute_default_rope_parameters if kind == "default" else ROPE_INIT_FUNCTIONS[kind]
+        inv_freq, scaling = compute(inner)
+        return F.pad(inv_freq, (0, head_dim // 2 - inv_freq.numel())), scaling
+
+
+def _per_head(module, inputs, output, *, head_dim: int, rotary_dim: int, norm=None):
+    """q_proj / k_proj's output, each head RMS-normed (qk_layernorm) and reordered for partial RoPE."""
+    heads = output.view(*output.shape[:-1], -1, head_dim)
+    if norm is not None:
+        heads = norm(heads)
+    if rotary_dim < head_dim:
+        heads = heads.index_select(-1, rotary_head_order(head_dim, rotary_dim, heads.device))
+    return heads.reshape(output.shape)
+
+
 class LevPreTrainedModel(LlamaPreTrainedModel):
     config_class = LevConfig
     config: LevConfig
@@ -69,9 +129,23 @@ class LevModel(LevPreTrainedModel, LlamaModel):
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        head_dim, rotary_dim = rotary_dims(config)
+        self.rotary_emb = (LevRotaryEmbedding if rotary_dim < head_dim else LlamaRotaryEmbedding)(config=config)
+        if rotary_dim < head_dim or getattr(config, "qk_layernorm", False):
+            for layer in self.layers:
+                self._per_head_hooks(layer.self_attn, config, head_dim, rotary_dim)
         self.gradient_checkpointing = False
         self.post_init()
+
+    @staticmethod
+    def _per_head_hooks(attention, config, head_dim: int, rotary_dim: int) -> None:
+        for name in ("q", "k"):
+            norm = None
+            if getattr(config, "qk_layernorm", False):
+                norm = LlamaRMSNorm(head_dim, eps=config.rms_norm_eps)
+                setattr(attention, f"{name}_norm", norm)
+            getattr(attention, f"{name}_proj").register_forward_hook(
+                functools.partial(_per_head, head_dim=head_dim, rotary_dim=rotary_dim, norm=norm))
 
     def resize_token_embeddings(self, *args, **kwargs):
         raise NotImplementedError("a LEV model has no embedding table to resize: its generator covers "
@@ -96,4 +170,4 @@ class LevForCausalLM(LevPreTrainedModel, LlamaForCausalLM):
         return self.model.resize_token_embeddings(*args, **kwargs)
 
 
-__all__ = ["LevConfig", "LevEmbedding", "LevForCausalLM", "LevModel", "LevPreTrainedModel"]
+__all__ = ["LevConfig", "LevEmbedding", "LevForCausalLM", "LevModel", "LevPreTrainedModel", "LevRotaryEmbedding"]

@@ -1,8 +1,8 @@
 """Megatron-LM's argument namespace <-> LEV: the --lev-* flags and what they build.
 
-`add_lev_args(parser)` is the `extra_args_provider` of Megatron-LM's `pretrain()`: one
-`--lev-<field>` flag per LEVConfig field (lev/generator.py), with that field's default, except
-`vocab_size` (the tokenizer's, or --vocab-size) and `hidden_size` (--hidden-size).
+`add_lev_args(parser)` adds one `--lev-<field>` flag per LEVConfig field (lev/generator.py), with
+that field's default, except `vocab_size` (the tokenizer's) and `hidden_size` (--hidden-size);
+`register_lev_args()` adds them to every parser Megatron-LM builds (pretrain_lev_gpt.py calls it).
 
 `transformer_config_from_args(args)` is Megatron-LM's `core_transformer_config_from_args` when
 megatron.training imports (a Megatron-LM checkout); without it (megatron-core alone, the tests)
@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_lev.lev.generator import DIGIT_ORDERS, LEVConfig
 from megatron_lev.models.config import MODEL_FIELDS
+from megatron_lev.models.settings import model_section_from_megatron_args
 
 MODEL_OWNED = ("vocab_size", "hidden_size")  # LEV fields set by the model's own flags
 
@@ -35,7 +36,10 @@ def flag_name(field_name: str) -> str:
 
 
 def add_lev_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron-LM's extra_args_provider: the --lev-* flags (dest lev_<field>)."""
+    """Megatron-LM's extra_args_provider: the --lev-* flags (dest lev_<field>); a parser that
+    has them already (register_lev_args) is returned as it is."""
+    if any(action.dest.startswith("lev_") for action in parser._actions):
+        return parser
     group = parser.add_argument_group(title="LEV embedding (megatron_lev)")
     hints = typing.get_type_hints(LEVConfig)
     for field in lev_fields():
@@ -49,6 +53,28 @@ def add_lev_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             kind = int if hints[field.name] in (int, typing.Optional[int]) else float
             group.add_argument(flag, dest=dest, type=kind, default=default, help=help_text)
     return parser
+
+
+def register_lev_args() -> None:
+    """Add the --lev-* flags to every parse of Megatron-LM's command line in this process.
+
+    pretrain_gpt.py's main block parses the command line before `pretrain()` adds its
+    extra_args_provider: the in-process-restart wrapper (and, inside `pretrain()`, the
+    fault-tolerance set-up) call `parse_args(ignore_unknown_args=True)`, so `--help` there would
+    print Megatron-LM's flags without LEV's and exit. Megatron-LM builds each of those parsers with
+    `megatron.training.arguments.add_megatron_arguments`; wrapped here, every one of them has the
+    --lev-* flags, and pretrain_lev_gpt.py's main block stays pretrain_gpt.py's."""
+    from megatron.training import arguments
+
+    if getattr(arguments.add_megatron_arguments, "adds_lev_args", False):
+        return
+    megatron_arguments = arguments.add_megatron_arguments
+
+    def add_megatron_and_lev_arguments(parser):
+        return add_lev_args(megatron_arguments(parser))
+
+    add_megatron_and_lev_arguments.adds_lev_args = True
+    arguments.add_megatron_arguments = add_megatron_and_lev_arguments
 
 
 def lev_config_from_args(args, vocab_size: int) -> LEVConfig:
@@ -67,20 +93,10 @@ def lev_config_from_args(args, vocab_size: int) -> LEVConfig:
 
 
 def model_section_from_args(args, vocab_size: int) -> dict:
-    """This project's YAML `model:` section for the model Megatron-LM trains (what the checkpoint
-    converter needs to read its checkpoints)."""
-    lev = {f.name: getattr(args, "lev_" + f.name) for f in lev_fields()}
-    section = {
-        "embedding": "lev", "vocab_size": vocab_size,
-        "make_vocab_size_divisible_by": args.make_vocab_size_divisible_by, "num_layers": args.num_layers,
-        "hidden_size": args.hidden_size, "ffn_hidden_size": args.ffn_hidden_size,
-        "num_attention_heads": args.num_attention_heads,
-        "num_query_groups": args.num_query_groups if args.group_query_attention else None,
-        "kv_channels": args.kv_channels, "seq_length": args.seq_length, "rotary_base": float(args.rotary_base),
-        "layernorm_epsilon": args.layernorm_epsilon, "init_method_std": args.init_method_std,
-        "hidden_dropout": args.hidden_dropout, "attention_dropout": args.attention_dropout,
-        "init_seed": args.seed, "lev": lev,
-    }
+    """This project's `model:` section for the model Megatron-LM's namespace `args` builds
+    (models/settings.py reads the settings; the --lev-* flags give the generator's fields)."""
+    section = model_section_from_megatron_args(args, vocab_size, {f.name: getattr(args, "lev_" + f.name)
+                                                                  for f in lev_fields()})
     assert set(section) == set(MODEL_FIELDS), sorted(set(section) ^ set(MODEL_FIELDS))
     return section
 

@@ -3,96 +3,81 @@
 At core_v0.16.1 pretrain_gpt.py passes `partial(model_provider, gpt_builder)` to `pretrain()`;
 `model_provider(model_builder, pre_process, post_process, vp_stage, config, pg_collection)`
 calls `model_builder(args, pre_process, post_process, vp_stage, config=, pg_collection=)`.
-`lev_gpt_builder` has gpt_builder's signature, so a Megatron-LM script passes
-`partial(model_provider, lev_gpt_builder)` (tools/megatron_lm/pretrain_lev_gpt.py does).
-`model_provider` below is the same thing for scripts that call it directly, reading
-`megatron.training.get_args()` unless an argument namespace is passed.
+`lev_gpt_builder` has gpt_builder's signature; tools/megatron_lm/pretrain_lev_gpt.py passes
+`partial(model_provider, lev_gpt_builder)` with `model_provider` below, which refuses ModelOpt's
+builder (Megatron-LM's model_provider would put it in LEV's place) and then is Megatron-LM's.
 
-What the builder requires of Megatron-LM's flags: --position-embedding-type rope (LEV has no
-position table) and --untie-embeddings-and-output-weights (LEV replaces the input table only).
---spec, --num-experts and --heterogeneous-layers-config-path are refused: the builder uses
-megatron-core's dense GPT layer spec (TransformerEngine with --transformer-impl
-transformer_engine, else local).
+The builder first applies the flag table (megatron_lm/flags.py): every Megatron-LM argument that
+would make GPTModel other than this project's decoder stops the run here, in one line naming the
+flag. LEV's vocabulary is the tokenizer's (Megatron-LM's rule: NullTokenizer has --vocab-size
+ids plus its EOD), the output layer Megatron-LM's padded one; the builder records the former in
+`args.lev_vocab_size`, which Megatron-LM saves with every checkpoint, so the converter reads the
+whole model from the checkpoint (no other file).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 from megatron.core.models.gpt import GPTModel
 
-from megatron_lev.checkpointing.mcore import MODEL_SECTION_FILE
-from megatron_lev.megatron_lm.arguments import lev_config_from_args, model_section_from_args, transformer_config_from_args
-from megatron_lev.models.config import pad_vocab_size
+from megatron_lev.megatron_lm.arguments import (lev_config_from_args, model_section_from_args,
+                                                transformer_config_from_args)
+from megatron_lev.megatron_lm.flags import check_megatron_args
+from megatron_lev.models.config import model_config_from_dict, pad_vocab_size
 from megatron_lev.models.gpt_lev import build_lev_gpt_model
 from megatron_lev.models.layers import derive_seed
-from megatron_lev.utils.files import write_text_atomic
-
-
-
-def _check_args(args) -> None:
-    if args.position_embedding_type != "rope":
-        raise ValueError(f"--position-embedding-type {args.position_embedding_type}: a LEV model needs rope "
-                         "(the LEV embedding has no position table)")
-    if not args.untie_embeddings_and_output_weights:
-        raise ValueError("--untie-embeddings-and-output-weights is required: LEV replaces the input table only, "
-                         "the output layer keeps its own weights")
-    for flag, value in (("--spec", args.spec), ("--num-experts", args.num_experts),
-                        ("--heterogeneous-layers-config-path", getattr(args, "heterogeneous_layers_config_path", None)),
-                        ("--mtp-num-layers", getattr(args, "mtp_num_layers", None))):
-        if value:
-            raise ValueError(f"{flag}: not supported with the LEV embedding (dense GPT layer specs only)")
-    if getattr(args, "use_legacy_models", False):
-        raise ValueError("--use-legacy-models: the LEV embedding is for megatron-core's GPTModel")
 
 
 def tokenizer_vocab_size(args) -> int:
-    """The unpadded vocabulary LEV generates for: --vocab-size, else Megatron-LM's tokenizer."""
-    if getattr(args, "vocab_size", None):
-        return args.vocab_size
-    from megatron.training import get_tokenizer  # a Megatron-LM run: its tokenizer is built by now
-
+    """The vocabulary LEV generates for: Megatron-LM's tokenizer's (built by `pretrain()` before
+    the model). Without megatron.training (megatron-core alone: the tests), the tokenizers that
+    need no file, by Megatron-LM's rule: NullTokenizer has --vocab-size ids plus its EOD."""
+    try:
+        from megatron.training import get_tokenizer
+    except ImportError:
+        if args.tokenizer_type == "NullTokenizer":
+            return args.vocab_size + 1
+        raise ValueError(f"--tokenizer-type {args.tokenizer_type}: its vocabulary needs Megatron-LM's tokenizer "
+                         "(megatron.training), which does not import here") from None
     return get_tokenizer().vocab_size
 
 
 def lev_gpt_builder(args, pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
                     config=None, pg_collection=None) -> GPTModel:
     """gpt_builders.gpt_builder with LEV as the input side (same signature)."""
-    _check_args(args)
-    config = config if config is not None else transformer_config_from_args(args)
+    check_megatron_args(args)
     vocab_size = tokenizer_vocab_size(args)
-    padded = getattr(args, "padded_vocab_size", None) or pad_vocab_size(
-        vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    padded = pad_vocab_size(vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    if getattr(args, "padded_vocab_size", None) not in (None, padded):
+        raise ValueError(f"--vocab-size/--tokenizer-type: Megatron-LM padded the vocabulary to {args.padded_vocab_size} "
+                         f"rows, but the tokenizer's {vocab_size} ids pad to {padded} (--make-vocab-size-divisible-by "
+                         f"{args.make_vocab_size_divisible_by} x --tensor-model-parallel-size "
+                         f"{args.tensor_model_parallel_size})")
+    # The model's settings as this project reads them: its own checks (head sizes, RoPE dims, LEV heads
+    # against TP) run before anything is built, and the converter reads the same from the saved args.
+    model_config_from_dict(model_section_from_args(args, vocab_size))  # (TP: GPTModel's checks, which allow more)
+    args.lev_vocab_size = vocab_size
+    config = config if config is not None else transformer_config_from_args(args)
     use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
-    model = build_lev_gpt_model(
+    return build_lev_gpt_model(
         config, lev_config_from_args(args, vocab_size), padded, args.max_position_embeddings,
         layer_spec="transformer_engine" if use_te else "local", rotary_base=args.rotary_base,
         init_seed=derive_seed(args.seed, "embedding"), pre_process=pre_process, post_process=post_process,
         vp_stage=vp_stage, pg_collection=pg_collection, rotary_percent=args.rotary_percent,
-        rope_scaling=args.use_rope_scaling, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy)
-    _write_model_section(args, vocab_size)
-    return model
+        rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy)
 
 
-def _write_model_section(args, vocab_size: int) -> None:
-    """--save/megatron_lev_model.yaml on global rank 0, once: the converter's --config."""
-    import torch.distributed as dist
-    import yaml
+def model_provider(model_builder=lev_gpt_builder, pre_process: bool = True, post_process: bool = True,
+                   vp_stage: Optional[int] = None, config=None, pg_collection=None) -> GPTModel:
+    """Megatron-LM's model_provider.model_provider (same signature), refusing ModelOpt's builder
+    first: with a ModelOpt checkpoint in --load (or --export-kd-teacher-load) Megatron-LM's
+    model_provider would build ModelOpt's GPT in place of `model_builder`."""
+    from megatron.training import get_args
+    from model_provider import model_provider as megatron_model_provider  # the Megatron-LM checkout's
 
-    save = getattr(args, "save", None)
-    if not save or (dist.is_initialized() and dist.get_rank() != 0):
-        return
-    os.makedirs(save, exist_ok=True)
-    text = yaml.safe_dump({"model": model_section_from_args(args, vocab_size)}, sort_keys=False)
-    write_text_atomic(os.path.join(save, MODEL_SECTION_FILE), text)
-
-
-def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
-                   config=None, pg_collection=None, *, args=None) -> GPTModel:
-    """Megatron-LM's model_provider without the builder argument: Megatron-LM's parsed arguments
-    (megatron.training.get_args()) unless `args` is given."""
-    if args is None:
-        from megatron.training import get_args
-
-        args = get_args()
-    return lev_gpt_builder(args, pre_process, post_process, vp_stage, config=config, pg_collection=pg_collection)
+    args = get_args()
+    if getattr(args, "modelopt_enabled", False):
+        check_megatron_args(args)
+    return megatron_model_provider(model_builder, pre_process, post_process, vp_stage, config=config,
+                                   pg_collection=pg_collection)

@@ -39,6 +39,9 @@ class LeviathanConfig(TransformerConfig):
     make_vocab_size_divisible_by: int = 128
     seq_length: int = 2048
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  # RoPE on the first int(kv_channels x this) dims of each head (Megatron's)
+    rope_scaling: bool = False  # LLaMA 3's RoPE frequency scaling (Megatron's --use-rope-scaling)
+    rope_scaling_factor: float = 8.0  # its factor (low/high frequency factors 1/4, context 8192: Megatron's)
     lev: dict = field(default_factory=dict)  # LEVConfig fields but vocab_size/hidden_size
     init_seed: int = 1234  # Megatron's --seed: all weights derive from it
     padded_vocab_size: int = field(init=False, default=0)  # derived, TP-aware
@@ -67,6 +70,12 @@ class LeviathanConfig(TransformerConfig):
                              f"--tensor-model-parallel-size ({self.tensor_model_parallel_size})")
         if self.kv_channels % 2:
             raise ValueError(f"kv_channels ({self.kv_channels}, the head size) must be even for RoPE")
+        rotary_dim = int(self.kv_channels * self.rotary_percent)
+        if not 0 < self.rotary_percent <= 1 or rotary_dim < 2 or rotary_dim % 2:
+            raise ValueError(f"rotary_percent ({self.rotary_percent}): int(kv_channels {self.kv_channels} x it) = "
+                             f"{rotary_dim} rotated dimensions per head, which must be even and >= 2")
+        if not self.rope_scaling_factor > 0:
+            raise ValueError(f"rope_scaling_factor ({self.rope_scaling_factor}) must be > 0")
         self.padded_vocab_size = pad_vocab_size(
             self.vocab_size, self.make_vocab_size_divisible_by, self.tensor_model_parallel_size)
 
@@ -137,9 +146,11 @@ class LeviathanConfig(TransformerConfig):
 MODEL_FIELDS = (
     "embedding", "vocab_size", "make_vocab_size_divisible_by", "num_layers", "hidden_size",
     "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "seq_length",
-    "rotary_base", "layernorm_epsilon", "init_method_std", "hidden_dropout", "attention_dropout",
-    "init_seed", "lev",
+    "rotary_base", "rotary_percent", "rope_scaling", "rope_scaling_factor", "qk_layernorm", "layernorm_epsilon",
+    "init_method_std", "hidden_dropout", "attention_dropout", "init_seed", "lev",
 )
+# What a model section written before a field existed was built with (checkpoints, exports).
+FIELD_DEFAULTS = {"rotary_percent": 1.0, "rope_scaling": False, "rope_scaling_factor": 8.0, "qk_layernorm": False}
 
 
 def model_config_from_dict(model_section: dict, *, tensor_model_parallel_size: int = 1,

@@ -67,7 +67,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron_lev.models.config import LeviathanConfig
 from megatron_lev.models.cross_entropy import language_model_loss
 from megatron_lev.models.layers import (OutputLayer, RMSNorm, build_embedding, checkpoint, default_position_ids,
-                                        rotary_cos_sin)
+                                        model_rotary_cos_sin)
 from megatron_lev.models.transformer import DecoderLayer
 
 
@@ -103,7 +103,7 @@ class LeviathanModel(MegatronModule):
             hidden = self.embedding(input_ids)
         if position_ids is None:
             position_ids = default_position_ids(input_ids)
-        cos, sin = rotary_cos_sin(position_ids, cfg.kv_channels, cfg.rotary_base)
+        cos, sin = model_rotary_cos_sin(position_ids, cfg)
         hidden = self._run_layers(hidden, cos, sin)
         logits = self.output_layer(self.final_norm(hidden), self.tied_head_weight())
         if labels is None:

@@ -10,6 +10,7 @@ built from one seed hold the same weights. Vocabulary padding rows are zero.
 from __future__ import annotations
 
 import contextlib
+import math
 import zlib
 from typing import Callable, Optional
 
@@ -83,21 +84,54 @@ def checkpoint(function: Callable, *args):
     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
 
 
-def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float):
-    """RoPE tables for positions [b, s]: cos, sin as float32 [s, b, 1, head_dim]
+def rotary_inverse_frequencies(head_dim: int, base: float, rotary_percent: float = 1.0, rope_scaling: bool = False,
+                               rope_scaling_factor: float = 8.0, device=None) -> torch.Tensor:
+    """RoPE's float32 inverse frequencies [rotary_dim / 2], as megatron-core's RotaryEmbedding makes
+    them: rotary_dim = int(head_dim x rotary_percent), and with `rope_scaling` LLaMA 3's scaling
+    (low / high frequency factors 1 and 4, original context 8192: Megatron's, and transformers'
+    `llama3` rope type)."""
+    dim = int(head_dim * rotary_percent) if rotary_percent < 1.0 else head_dim
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    if not rope_scaling:
+        return inv_freq
+    low_freq_wavelen, high_freq_wavelen = 8192 / 1, 8192 / 4
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope_scaling_factor, inv_freq)
+    smooth = (8192 / wavelen - 1) / (4 - 1)
+    smoothed = (1 - smooth) * scaled / rope_scaling_factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float, rotary_percent: float = 1.0,
+                   rope_scaling: bool = False, rope_scaling_factor: float = 8.0):
+    """RoPE tables for positions [b, s]: cos, sin as float32 [s, b, 1, rotary_dim]
     (halves layout, as Megatron's default and Hugging Face LLaMA)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=position_ids.device,
-                                            dtype=torch.float32) / head_dim))
-    angles = position_ids.t().to(torch.float32)[..., None] * inv_freq  # [s, b, dh/2]
+    inv_freq = rotary_inverse_frequencies(head_dim, base, rotary_percent, rope_scaling, rope_scaling_factor,
+                                          device=position_ids.device)
+    angles = position_ids.t().to(torch.float32)[..., None] * inv_freq  # [s, b, rotary_dim/2]
     angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)
     return angles.cos(), angles.sin()
 
 
+def model_rotary_cos_sin(position_ids: torch.Tensor, config: LeviathanConfig):
+    """rotary_cos_sin with the model's RoPE settings."""
+    return rotary_cos_sin(position_ids, config.kv_channels, config.rotary_base, config.rotary_percent,
+                          config.rope_scaling, config.rope_scaling_factor)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [s, b, n, dh] rotated in float32, returned in x's dtype."""
+    """x [s, b, n, dh] rotated in float32 on its first rotary_dim = cos.shape[-1] dims (halves
+    within them, as megatron-core), returned in x's dtype."""
+    rotary_dim = cos.shape[-1]
     xf = x.float()
+    if rotary_dim < x.shape[-1]:
+        xf, passed = xf[..., :rotary_dim], xf[..., rotary_dim:]
     x1, x2 = xf.chunk(2, dim=-1)
-    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+    out = xf * cos + torch.cat((-x2, x1), dim=-1) * sin
+    if rotary_dim < x.shape[-1]:
+        out = torch.cat((out, passed), dim=-1)
+    return out.to(x.dtype)
 
 
 def default_position_ids(input_ids: torch.Tensor) -> torch.Tensor:

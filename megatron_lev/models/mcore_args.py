@@ -12,6 +12,8 @@ weights copy by name at any TP):
     layers.i.mlp_norm.weight            decoder.layers.i.pre_mlp_layernorm.weight        decoder.layers.i.mlp.linear_fc1.layer_norm_weight
     layers.i.mlp.gate_up.weight         decoder.layers.i.mlp.linear_fc1.weight           same
     layers.i.mlp.down.weight            decoder.layers.i.mlp.linear_fc2.weight           same
+    layers.i.attention.q_norm.weight    decoder.layers.i.self_attention.q_layernorm.weight same  (qk_layernorm;
+    layers.i.attention.k_norm.weight    decoder.layers.i.self_attention.k_layernorm.weight same   k likewise)
     final_norm.weight                   decoder.final_layernorm.weight                   same
     output_layer.weight                 output_layer.weight                              same
 """
@@ -32,6 +34,8 @@ _LOCAL_LAYER_NAMES = {  # our per-layer suffix -> GPTModel's (local spec)
     "mlp_norm.weight": "pre_mlp_layernorm.weight",
     "mlp.gate_up.weight": "mlp.linear_fc1.weight",
     "mlp.down.weight": "mlp.linear_fc2.weight",
+    "attention.q_norm.weight": "self_attention.q_layernorm.weight",  # qk_layernorm (both specs)
+    "attention.k_norm.weight": "self_attention.k_layernorm.weight",
 }
 _TE_LAYER_NAMES = {**_LOCAL_LAYER_NAMES,  # TransformerEngine fuses the norms into the next linear
                    "input_norm.weight": "self_attention.linear_qkv.layer_norm_weight",

@@ -31,7 +31,7 @@ def count_parameters(config: LeviathanConfig) -> dict:
     h, nh, ng, dh = config.hidden_size, config.num_attention_heads, config.num_query_groups, config.kv_channels
     attention = h * (nh + 2 * ng) * dh + nh * dh * h
     mlp = 3 * h * config.ffn_hidden_size
-    norms = 2 * h
+    norms = 2 * h + (2 * dh if config.qk_layernorm else 0)  # qk_layernorm: a query and a key scale
     per_layer = attention + mlp + norms
     table = config.padded_vocab_size * h
     if config.embedding == "lev":

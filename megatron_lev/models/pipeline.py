@@ -47,7 +47,7 @@ from megatron_lev.lev.parallel import ParallelLEVEmbedding
 from megatron_lev.models.config import LeviathanConfig
 from megatron_lev.models.cross_entropy import language_model_loss
 from megatron_lev.models.layers import (OutputLayer, RMSNorm, VocabEmbedding, checkpoint, default_position_ids,
-                                        lev_embedding_kwargs, rotary_cos_sin)
+                                        lev_embedding_kwargs, model_rotary_cos_sin)
 from megatron_lev.models.transformer import DecoderLayer
 
 TIED_KEY = "embedding"
@@ -104,7 +104,7 @@ class LEVEmbeddingPipe(ParallelLEVEmbedding):
 class DecoderLayerPipe(DecoderLayer):
     def forward(self, inputs):
         hidden, position_ids = inputs
-        cos, sin = rotary_cos_sin(position_ids, self.config.kv_channels, self.config.rotary_base)
+        cos, sin = model_rotary_cos_sin(position_ids, self.config)
         return super().forward(hidden, cos, sin), position_ids
 
 

@@ -10,6 +10,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from megatron_lev.distributed.rng import get_rng_tracker
 from megatron_lev.models.config import LeviathanConfig
@@ -36,6 +37,9 @@ class SelfAttention(torch.nn.Module):
             skip_bias_add=True)
         self.recompute_core_attention = (config.recompute_granularity == "selective"
                                          and "core_attn" in (config.recompute_modules or []))
+        if config.qk_layernorm:  # RMSNorm of each query and key head (megatron-core's q/k_layernorm)
+            self.q_norm = RMSNorm(self.head_dim, config.layernorm_epsilon, config.params_dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.layernorm_epsilon, config.params_dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         s, b, _ = x.shape
@@ -44,6 +48,8 @@ class SelfAttention(torch.nn.Module):
         # Views, no copies: RoPE runs once on the q and k heads together; `split`'s backward
         # is one concatenation where slicing q, k and v apart costs three zero-fills + copies.
         qk, v = qkv.split((self.heads_per_group + 1, 1), dim=3)
+        if self.config.qk_layernorm:
+            qk = self._qk_norm(qk)
         qk = apply_rotary(qk, cos.unsqueeze(2), sin.unsqueeze(2))  # [s, b, groups, hpg + 1, dh]
         q = qk[:, :, :, :self.heads_per_group].reshape(s, b, self.num_heads, self.head_dim)  # a view at MHA
         k, v = qk[:, :, :, -1], v.squeeze(3)  # [s, b, groups, dh]
@@ -53,6 +59,18 @@ class SelfAttention(torch.nn.Module):
             out = self.core_attention(q, k, v)
         out, _ = self.out_proj(out)
         return out
+
+    def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        """[s, b, groups, hpg + 1, dh]: the query heads normed with q_norm's scale, the key head with
+        k_norm's. Each TP rank holds other heads, so the scales' gradients are summed over TP (as
+        megatron-core's finalize_model_grads does for GPTModel's q/k_layernorm)."""
+        q_scale, k_scale = self.q_norm.weight, self.k_norm.weight
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            group = parallel_state.get_tensor_model_parallel_group()
+            q_scale = copy_to_tensor_model_parallel_region(q_scale, group=group)
+            k_scale = copy_to_tensor_model_parallel_region(k_scale, group=group)
+        scale = torch.cat((q_scale.expand(self.heads_per_group, -1), k_scale.unsqueeze(0)))
+        return F.rms_norm(qk, (self.head_dim,), None, self.config.layernorm_epsilon) * scale
 
     def core_attention(self, q, k, v):
         """[s, b, n, dh] q and [s, b, g, dh] k/v -> [s, b, n * dh]."""

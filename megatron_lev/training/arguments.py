@@ -20,6 +20,7 @@ import sys
 import yaml
 
 from megatron_lev.configs import config_path, load_config, model_field_source
+from megatron_lev.models.settings import TRAINER_SETTINGS
 from megatron_lev.training.ds_config import build_deepspeed_config
 from megatron_lev.training.megatron_flags import TRAIN_IGNORED, TRAIN_REFUSED
 from megatron_lev.training.tokenizer_args import check_tokenizer_flags
@@ -111,12 +112,8 @@ TRAINING_DEFAULTS = {
     "exit_duration_in_mins": None,
 }
 
-# Model-section fields that flags may override (Megatron names on the command line).
-MODEL_OVERRIDE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                        "num_query_groups", "rotary_base", "embedding", "init_method_std",
-                        "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout")
-MODEL_OVERRIDE_TYPES = {"embedding": str, "rotary_base": float, "init_method_std": float, "hidden_dropout": float,
-                        "attention_dropout": float}
+# Model-section fields that flags may override, with Megatron-LM's names (models/settings.py's table).
+MODEL_OVERRIDE_FLAGS = tuple(s.field for s in TRAINER_SETTINGS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,8 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
 
     g = p.add_argument_group("model overrides (change the YAML's model: section)")
-    for name in MODEL_OVERRIDE_FLAGS:
-        g.add_argument("--" + name.replace("_", "-"), type=MODEL_OVERRIDE_TYPES.get(name, int))
+    for setting in TRAINER_SETTINGS:
+        if setting.type is bool:
+            g.add_argument(setting.flag, dest=setting.field, action=argparse.BooleanOptionalAction)
+        else:
+            g.add_argument(setting.flag, dest=setting.field, type=setting.type)
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", help="prefix, or a Megatron blend: 0.3 pathA 0.7 pathB")

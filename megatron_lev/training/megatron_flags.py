@@ -1,6 +1,8 @@
 """Megatron-LM's `pretrain_gpt.py` flags (core_v0.16.1) as `python -m megatron_lev.train` sees
-them: accepted with a warning (no work to do here), refused (cannot apply here, with the
-reason), supported with a note worth knowing, and the flags that are ours alone.
+them: accepted with a warning (no work to do here; a third element lists the only values
+accepted, the decoder's), refused (cannot apply here, with the reason), supported with a note
+worth knowing, and the flags that are ours alone. The model's own settings (--num-layers,
+--rotary-percent, --qk-layernorm, ...) are models/settings.py's table.
 
 Every flag our parser defines under a Megatron-LM name has Megatron's meaning.
 """
@@ -11,8 +13,8 @@ TRAIN_IGNORED = {
     "--deepspeed": (0, "training always runs under DeepSpeed"),
     "--swiglu": (0, "the MLP is always SwiGLU"),
     "--disable-bias-linear": (0, "linear layers never have biases"),
-    "--normalization": (1, "always RMSNorm"),
-    "--position-embedding-type": (1, "always RoPE (--rotary-base sets its base)"),
+    "--normalization": (1, "always RMSNorm", ("RMSNorm",)),
+    "--position-embedding-type": (1, "always RoPE (--rotary-base sets its base)", ("rope",)),
     "--no-position-embedding": (0, "RoPE needs no position table"),
     "--max-position-embeddings": (1, "RoPE has no position table; --seq-length sets the length"),
     "--untie-embeddings-and-output-weights": (0, "the config's model.embedding (lev / tied / untied) decides"),

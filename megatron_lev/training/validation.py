@@ -26,7 +26,7 @@ from megatron_lev.checkpointing.catalog import read_checkpoint_config, select_ch
 from megatron_lev.checkpointing.universal import layout_changes, zero_stage
 from megatron_lev.data.datasets import max_token_id, plan_datasets, preprocessing_stats
 from megatron_lev.data.tokenizer import build_tokenizer
-from megatron_lev.models.config import LeviathanConfig, model_config_from_dict
+from megatron_lev.models.config import FIELD_DEFAULTS, LeviathanConfig, model_config_from_dict
 from megatron_lev.training.arguments import effective_config, validate_flags
 from megatron_lev.training.tokenizer_args import derive_vocab_size, padded_vocab_line, tokenizer_source
 from megatron_lev.training.batches import dataset_arguments
@@ -188,7 +188,8 @@ def check_resume_compatible(ckpt_dir: str, tag: str, saved: dict, config: dict) 
     """Refuse a checkpoint whose model differs from this run's, naming every differing
     field. `saved` is the checkpoint's config, `config` this run's (`effective_config`). A
     different parallel layout is no reason to refuse (`layout_changes`)."""
-    saved_model, model = saved.get("model", {}), config["model"]
+    # A field a checkpoint predates was built with its default value.
+    saved_model, model = {**FIELD_DEFAULTS, **saved.get("model", {})}, config["model"]
     diffs = [f"{key}: {saved_model.get(key, '<unset>')!r} in the checkpoint, {model.get(key, '<unset>')!r} now"
              for key in sorted(set(saved_model) | set(model))
              if key not in _INIT_ONLY_KEYS and saved_model.get(key) != model.get(key)]

@@ -7,3 +7,7 @@ class ConfigError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be converted; the message names the file or directory."""
+
+
+class ExportError(CheckpointError):
+    """A model, folder or tokenizer that cannot be converted; the message names it."""

@@ -54,3 +54,13 @@ def write_text_atomic(path: str, text: str, durable: bool = False) -> None:
 
 def write_json_atomic(path: str, data) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def update_json_file(path: str, **keys) -> None:
+    """Set `keys` in a JSON object file (rewritten with sorted keys, 2-space indent)."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    data.update(keys)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")

@@ -45,9 +45,18 @@ class MegatronArgumentParser(argparse.ArgumentParser):
 
 
 class _IgnoredFlag(argparse.Action):
-    """A Megatron-LM flag with nothing to do here: recorded in `ignored_flags`."""
+    """A Megatron-LM flag with nothing to do here: recorded in `ignored_flags`. With `accepted`
+    values, only those are (they are what happens here anyway); any other is refused."""
+
+    def __init__(self, *args, accepted=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.accepted = accepted
 
     def __call__(self, parser, namespace, values, option_string=None):
+        value = values[0] if isinstance(values, list) and len(values) == 1 else values
+        if self.accepted is not None and value not in self.accepted:
+            parser.error(f"{option_string} {value} is not supported: {self.help} (accepted: "
+                         f"{', '.join(map(str, self.accepted))})")
         ignored = list(getattr(namespace, "ignored_flags", []))
         ignored.append(option_string)
         setattr(namespace, "ignored_flags", ignored)
@@ -59,11 +68,12 @@ class _RefusedFlag(argparse.Action):
 
 
 def add_compat_flags(parser: argparse.ArgumentParser, ignored: dict, refused: dict) -> None:
-    """Register Megatron-LM flags: `ignored` and `refused` map a flag to (nargs, reason)."""
+    """Register Megatron-LM flags: `ignored` and `refused` map a flag to (nargs, reason); an
+    ignored flag's entry may add the values it accepts, (nargs, reason, accepted): others are refused."""
     g = parser.add_argument_group("Megatron-LM flags accepted with a warning (no effect here)")
-    for flag, (nargs, reason) in ignored.items():
+    for flag, (nargs, reason, *accepted) in ignored.items():
         g.add_argument(flag, nargs=nargs, action=_IgnoredFlag, help=reason, dest=argparse.SUPPRESS,
-                       default=argparse.SUPPRESS)
+                       default=argparse.SUPPRESS, accepted=accepted[0] if accepted else None)
     g = parser.add_argument_group("Megatron-LM flags refused (cannot apply here)")
     for flag, (nargs, reason) in refused.items():
         g.add_argument(flag, nargs=nargs, action=_RefusedFlag, help=reason, dest=argparse.SUPPRESS,
