@@ -16,7 +16,7 @@ from megatron_lev.data.preprocess import PREPROCESS_IGNORED, PREPROCESS_OWN_FLAG
 from megatron_lev.data.preprocess import build_parser as build_preprocess_parser
 from megatron_lev.training.arguments import build_parser
 from megatron_lev.training.megatron_flags import SUPPORTED_NOTES, TRAIN_IGNORED, TRAIN_OWN_FLAGS, TRAIN_REFUSED
-from megatron_lev.utils.files import atomic_path
+from megatron_lev.utils.files import replace_generated_table
 
 
 def flag_table() -> str:
@@ -96,6 +96,7 @@ def command_parsers() -> dict[str, list[argparse.ArgumentParser]]:
         # the --lev-* flags a Megatron-LM checkout's pretrain_lev_gpt.py adds to Megatron-LM's own
         "tools/megatron_lm/pretrain_lev_gpt.py": [add_lev_args(argparse.ArgumentParser(add_help=False))],
     }
+    commands["tools/megatron_lm/check_lev_gpt.py"] = commands["tools/megatron_lm/pretrain_lev_gpt.py"]
     commands["megatron-lev-evaluate"] = commands["megatron_lev.evaluate"]
     commands["megatron-lev-convert-to-hf"] = commands["tools/convert_to_hf.py"]
     commands["megatron-lev-convert-from-hf"] = commands["tools/convert_from_hf.py"]
@@ -111,14 +112,7 @@ TABLE_HEADING = "## Megatron-LM flag → here"
 def write_flag_table(page: str) -> None:
     """Replace the table under TABLE_HEADING in `page` (docs/training.md) with flag_table():
     `python -m megatron_lev.flag_table docs/training.md` after adding a flag."""
-    with open(page, encoding="utf-8") as f:
-        text = f.read()
-    counts_line = text.index(" supported, ", text.index(TABLE_HEADING))  # the table starts with its counts
-    first = text.rindex("\n", 0, counts_line) + 1
-    end = text.find("\n## ", first)
-    end = len(text) if end == -1 else end + 1
-    with atomic_path(page) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.write(text[:first] + flag_table() + text[end:])
+    replace_generated_table(page, TABLE_HEADING, " supported, ", flag_table())
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ LAUNCHERS = ("sbatch", "srun", "env", "time", "flock", "nohup")
 EXTERNAL_FLAGS = frozenset({"--index-url", "--oversubscribe"})
 # Megatron-LM's own pretrain_gpt.py flags (docs/megatron-lm.md quotes them), from the namespace its
 # parser built at core_v0.16.1 (tests/data/megatron_lm/pretrain_gpt_args.json): --dest, --no-dest,
-# and the flags that parser accepted when it was recorded (some names differ from their dest).
+# and the flags of that parser (some names differ from their dest).
 MEGATRON_LM_ARGS = os.path.join(REPO, "tests", "data", "megatron_lm", "pretrain_gpt_args.json")
 
 
@@ -45,7 +45,8 @@ def _megatron_lm_flags() -> frozenset:
     with open(MEGATRON_LM_ARGS, encoding="utf-8") as f:
         record = json.load(f)
     named = {f"--{prefix}{d.replace('_', '-')}" for d in record["args"] for prefix in ("", "no-")}
-    return frozenset(named | {t for t in record["argv"] if t.startswith("--")})
+    parser = {flag for entry in record.get("parser", {}).values() for flag in entry["flags"]}
+    return frozenset(named | parser | {t for t in record["argv"] if t.startswith("--")})
 
 
 # --------------------------------------------------------------------------- markdown

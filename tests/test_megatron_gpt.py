@@ -410,6 +410,11 @@ def test_provider_builds_from_megatron_lm_namespace(tp1):
     # arguments) describes the same model.
     assert model_config_from_dict(model_section_from_args(args, VOCAB)).to_dict() == tp1["config"].to_dict()
 
+    # --qk-layernorm reaches the layer spec (it was dropped there: q_layernorm was an IdentityOp).
+    attention = lev_gpt_builder(recorded_namespace(qk_layernorm=True)).decoder.layers[0].self_attention
+    assert isinstance(attention.q_layernorm, torch.nn.RMSNorm) and isinstance(attention.k_layernorm, torch.nn.RMSNorm)
+    assert attention.q_layernorm.weight.shape == (16,)
+
     args.untie_embeddings_and_output_weights = False
     with pytest.raises(ValueError, match="^--untie-embeddings-and-output-weights is required"):
         lev_gpt_builder(args)

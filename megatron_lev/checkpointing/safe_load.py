@@ -40,20 +40,25 @@ class UnsafeCheckpointError(CheckpointLoadError):
 
 @functools.lru_cache(maxsize=None)
 def allowed_globals() -> tuple:
-    """The non-torch types our checkpoint files hold, as `torch.serialization.safe_globals` takes them."""
+    """The non-torch types our checkpoint files hold, as `torch.serialization.safe_globals` takes them.
+    DeepSpeed's only where DeepSpeed imports: a Megatron-LM environment converts its checkpoints
+    without it (docs/megatron-lm.md), and a file that names them is then refused like any other."""
     import numpy as np
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
 
     reconstruct = np.ndarray.__reduce__(np.zeros(0))[0]  # numpy.(_)core.multiarray._reconstruct
-    return (
+    allowed = (
         # numpy 2 pickles the array rebuilder as numpy._core..., numpy 1 as numpy.core...
         (reconstruct, "numpy._core.multiarray._reconstruct"),
         (reconstruct, "numpy.core.multiarray._reconstruct"),
         np.ndarray, np.dtype, type(np.dtype(np.uint32)),  # the MT19937 key: a uint32 array
-        LossScaler, ZeroStageEnum, fragment_address,
     )
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+    except ImportError:
+        return allowed
+    return (*allowed, LossScaler, ZeroStageEnum, fragment_address)
 
 
 def safe_torch_load(path: str, map_location="cpu", mmap: bool = False):

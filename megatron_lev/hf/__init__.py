@@ -5,6 +5,9 @@
                                           through `auto_map` and trust_remote_code=True
   export.py                               checkpoint <-> Hugging Face conversion (library code
                                           behind tools/convert_to_hf.py, tools/convert_from_hf.py)
+  tokenizers.py, card.py                  the export's tokenizer files; its model card and provenance
+  mcore_export.py                         Megatron-LM checkpoints -> Hugging Face (tools/convert_from_mcore.py)
+  import_hf.py, cli.py, trust.py          Hugging Face -> checkpoint; the commands; trusted remote code
 
 Nothing is imported here, so `import megatron_lev.hf` stays cheap.
 """

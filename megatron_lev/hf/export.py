@@ -184,7 +184,6 @@ def hf_config(cfg: LeviathanConfig, tokens: SpecialTokens, dtype: torch.dtype, m
         config.auto_map = dict(LEV_AUTO_MAP)
         config.architectures = ["LevForCausalLM"]
     else:
-        check_llama_export(cfg, materialize)
         config = LlamaConfig(**common)
         config.architectures = ["LlamaForCausalLM"]
         # A table model from here on (materialized LEV: untied); no generator fields.
@@ -310,6 +309,8 @@ def save_hf_model(full: dict[str, torch.Tensor], cfg: LeviathanConfig, output: s
 
     if materialize and cfg.embedding != "lev":
         raise ExportError(f"--materialize-embeddings: only for embedding: lev models (this one is {cfg.embedding})")
+    if materialize or cfg.embedding != "lev":
+        check_llama_export(cfg, materialize)
     dtype = dtype or next(iter(full.values())).dtype
     tokens = special_tokens(tokenizer)
     tmp = _prepare_output(output)

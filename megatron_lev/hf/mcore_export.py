@@ -59,8 +59,8 @@ def export_mcore_checkpoint(load: str, output: str, *, iteration: Optional[int] 
         raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     run = read_megatron_run(load, iteration, config, TokenizerSpec(tokenizer_type, tokenizer_model, vocab_file,
                                                                    merge_file), tokenizer_vocab_size)
-    if materialize or run.config.embedding != "lev":
-        check_llama_export(run.config, materialize)
+    if materialize:
+        check_llama_export(run.config, materialize)  # before any tensor is read
     tokenizer = _build(run.tokenizer, run.config.vocab_size)
     full, _ = read_mcore_checkpoint(run.iter_dir, run.config,
                                     tensor_model_parallel_size=getattr(run.args, "tensor_model_parallel_size", None))

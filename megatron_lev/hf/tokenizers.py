@@ -73,18 +73,23 @@ def write_tokenizer(tokenizer, out_dir: str, model_max_length: int) -> None:
     tokenizer.model when that is the source (for llama.cpp and SentencePiece users).
 
     No BOS/EOS is added on encode: pre-training never saw them (documents end with EOD).
+    GPT2BPETokenizer: the text "<|endoftext|>" is ordinary text, as Megatron-LM's `_GPT2BPETokenizer`
+    encodes it (transformers' `split_special_tokens`, kept in tokenizer_config.json; a reader of
+    tokenizer.json alone, e.g. the `tokenizers` library, matches it as the EOS token).
     """
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     from megatron_lev.data.tokenizer import GPT2BPETokenizer, SentencePieceTokenizer
 
+    options = {}
     if isinstance(tokenizer, SentencePieceTokenizer):
         backend = _spm_to_tokenizers(tokenizer.path)
         shutil.copyfile(tokenizer.path, os.path.join(out_dir, "tokenizer.model"))
         unk = tokenizer._sp.unk_id()
     elif isinstance(tokenizer, GPT2BPETokenizer):
         backend, unk = tokenizer.backend_tokenizer(), None  # GPT-2's byte-level BPE as tokenizer.json
+        options["split_special_tokens"] = True
     else:
         path = tokenizer.path
         backend = Tokenizer.from_file(os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path)
@@ -96,7 +101,7 @@ def write_tokenizer(tokenizer, out_dir: str, model_max_length: int) -> None:
     hf = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token=piece(tokenizer.bos), eos_token=piece(tokenizer.eod),
         pad_token=piece(tokenizer.pad), unk_token=piece(unk), model_max_length=model_max_length,
-        clean_up_tokenization_spaces=False)
+        clean_up_tokenization_spaces=False, **options)
     hf.save_pretrained(out_dir)
     # transformers 5 names its own class (TokenizersBackend), which transformers 4.x and the
     # vLLM builds that pin it cannot import; both map PreTrainedTokenizerFast to tokenizer.json.

@@ -78,9 +78,13 @@ def lev_vocab_size(args) -> Optional[int]:
 
 
 def saved_tokenizer(args, given: TokenizerSpec) -> TokenizerSpec:
-    """The tokenizer to export: the flags given, else the one the run was trained with."""
-    if given.type or given.model or given.vocab_file:
-        return given
+    """The tokenizer to export: the flags given (GPT-2's files alone mean GPT2BPETokenizer, the other
+    file the saved one), else the one the run was trained with."""
+    if given.type or given.model or given.vocab_file or given.merge_file:
+        gpt2 = given.type in (None, "GPT2BPETokenizer") and not given.model
+        return TokenizerSpec(given.type or ("GPT2BPETokenizer" if gpt2 else None), given.model,
+                             given.vocab_file or (getattr(args, "vocab_file", None) if gpt2 else None),
+                             given.merge_file or (getattr(args, "merge_file", None) if gpt2 else None))
     kind = getattr(args, "tokenizer_type", None) if args is not None else None
     if kind == "NullTokenizer":
         raise CheckpointError("the checkpoint was trained with --tokenizer-type NullTokenizer (ids without text): pass "

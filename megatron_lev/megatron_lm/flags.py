@@ -16,10 +16,13 @@ covers them, from the namespace, parser and sources recorded from Megatron-LM it
                run at start (and the conversion) with one line naming the flag
 
 `check_megatron_args(args)` applies the table (and refuses ModelOpt's builder, which would replace
-LEV's); `megatron_flag_table()` renders it for docs/megatron-lm.md.
+LEV's); `megatron_flag_table()` renders it for docs/megatron-lm.md:
+
+    python -m megatron_lev.megatron_lm.flags docs/megatron-lm.md     # after changing the table
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -61,7 +64,7 @@ GPT_BUILDER_ARGS = (
     "fp8_param_gather", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "overlap_p2p_comm",
     "rotary_interleaved", "no_persist_layer_norm", "bias_swiglu_fusion", "bias_gelu_fusion", "config_logger_dir",
     "cp_comm_type", "is_hybrid_model", "seed", "moe_latent_size", "heterogeneous_layers_config_encoded_json",
-    "record_memory_history", "memory_snapshot_path", "params_dtype",
+    "record_memory_history", "memory_snapshot_path", "params_dtype", "kitchen_config_file", "kitchen_recipe_number",
     # what LEV's builder reads besides: the vocabulary (Megatron's tokenizer rule) and RoPE's other flags
     "vocab_size", "tokenizer_type", "make_vocab_size_divisible_by", "seq_length", "rope_scaling_factor",
     "rotary_seq_len_interpolation_factor", "add_position_embedding", "use_rotary_position_embeddings",
@@ -190,7 +193,7 @@ _NO_EFFECT = {
         "linear_conv_kernel_dim linear_key_head_dim linear_num_key_heads linear_num_value_heads linear_value_head_dim"),
     "used only with Kitchen quantization (refused)": "kitchen_attention_backend",
 }
-_DECODER = "the Leviathan decoder (RMSNorm, SwiGLU, no biases, RoPE) and its Hugging Face export"
+_DECODER = "the Leviathan decoder (and its Hugging Face export)"
 _REFUSED = (  # dest, accepted, note[, required]
     ("position_embedding_type", ("rope",), "a LEV model needs rope (the LEV embedding has no position table)"),
     ("untie_embeddings_and_output_weights", (True,), "LEV replaces the input table only, the output layer keeps "
@@ -289,9 +292,9 @@ def megatron_flag_table() -> str:
              f"({len(MEGATRON_ARGS)} Megatron-LM arguments, core_v0.16.1)", "",
              "| Megatron-LM flag | here | why |", "| --- | --- | --- |"]
     for arg in sorted(by_kind[CARRIED], key=lambda a: a.flag):
-        lines.append(f"| `{arg.flag}` | carried: {arg.note.split(' (')[0]} | {_why(arg.note)} |")
+        lines.append(f"| {_code(arg)} | carried: {arg.note.split(' (')[0]} | {_why(arg.note)} |")
     for arg in sorted(by_kind[REFUSED], key=lambda a: a.flag):
-        lines.append(f"| `{arg.flag}` | refused unless {_accepted(arg)} | {arg.note} |")
+        lines.append(f"| {_code(arg)} | refused unless {_accepted(arg)} | {arg.note} |")
     lines.append(f"| {_flags(by_kind[PRECISION])} | precision only | the function the weights define is the "
                  "same; the export computes in its `--dtype` |")
     groups: dict[str, list] = {}
@@ -306,8 +309,14 @@ def _why(note: str) -> str:
     return note[note.index(" (") + 2:-1] if " (" in note and note.endswith(")") else ""
 
 
+def _code(arg: MegatronArg) -> str:
+    """The flag as the docs quote it (one Megatron-LM defines only where an optional package imports:
+    unquoted, with that said)."""
+    return f"{arg.flag} (where NVIDIA Kitchen imports)" if arg.dest in OPTIONAL_ARGS else f"`{arg.flag}`"
+
+
 def _flags(args) -> str:
-    return " ".join(f"`{a.flag}`" for a in sorted(args, key=lambda a: a.flag))
+    return " ".join(_code(a) for a in sorted(args, key=lambda a: a.flag))
 
 
 def _accepted(arg: MegatronArg) -> str:
@@ -317,3 +326,12 @@ def _accepted(arg: MegatronArg) -> str:
         return "given"
     return " or ".join(f"`{_show(v)}`" if not isinstance(v, bool) else ("given" if v else "not given")
                        for v in arg.accepted)
+
+
+TABLE_HEADING = "## Megatron-LM's flags that change the model"
+
+if __name__ == "__main__":
+    from megatron_lev.utils.files import replace_generated_table
+
+    replace_generated_table(sys.argv[1], TABLE_HEADING, " carried, ", megatron_flag_table())
+

@@ -7,4 +7,6 @@
   decoder.py        LeviathanModel: embedding -> layers -> norm -> head (the weight / TP-split table)
   pipeline.py       the same model as a DeepSpeed PipelineModule (PP > 1)
   param_count.py    parameter breakdowns and the isoparametric planner
+  settings.py       the model settings: field <-> Megatron-LM flag <-> Hugging Face key (one table)
+  gpt_lev.py        megatron-core's GPTModel with LEV as its input side; mcore_args.py its names
 """

@@ -78,6 +78,11 @@ SUPPORTED_NOTES = {
                         "(BOS first)",
     "--make-vocab-size-divisible-by": "pads the tokenizer's vocabulary to a multiple of this x TP (default 128), "
                                       "as Megatron",
+    "--rotary-percent": "RoPE on the first int(kv_channels x it) dims of each head, as megatron-core (exported as "
+                        "rope_parameters' partial_rotary_factor)",
+    "--qk-layernorm": "an RMSNorm of each query and key head before RoPE, as megatron-core",
+    "--use-rope-scaling": "LLaMA 3's RoPE scaling, as megatron-core (exported as rope_type llama3)",
+    "--kv-channels": "the head size (default hidden size / heads)",
 }
 
 # Flags of megatron_lev.train that Megatron-LM does not have.

@@ -64,3 +64,17 @@ def update_json_file(path: str, **keys) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+def replace_generated_table(page: str, heading: str, marker: str, table: str) -> None:
+    """Replace a generated table of a markdown page: from the line holding `marker` (its first line,
+    the counts) after `heading`, to the next heading. Written under a temporary name."""
+    with open(page, encoding="utf-8") as f:
+        text = f.read()
+    counts_line = text.index(marker, text.index(heading))
+    first = text.rindex("\n", 0, counts_line) + 1
+    end = text.find("\n#", first)
+    end = len(text) if end == -1 else end + 1
+    with atomic_path(page) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(text[:first] + table.rstrip("\n") + "\n" + ("\n" if end < len(text) else "") + text[end:])
+
