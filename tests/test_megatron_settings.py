@@ -152,3 +152,18 @@ def test_exports_that_cannot_express_a_setting_are_refused(section, materialize,
         save_hf_model(full, config, str(tmp_path / "hf"), tokenizer, materialize=materialize)
     assert str(error.value) == message
     assert not os.listdir(tmp_path)  # nothing written
+
+
+def test_checkpoints_from_before_the_new_settings_resume(tmp_path):
+    """A checkpoint's model section written before rotary_percent / rope_scaling / qk_layernorm existed
+    was built with their defaults: it resumes under the same model, and not under one that sets them."""
+    from megatron_lev.models.config import FIELD_DEFAULTS
+    from megatron_lev.training.validation import check_resume_compatible
+    from megatron_lev.utils.errors import ConfigError
+
+    now = model_config_from_dict(BASE).to_dict()
+    before = {k: v for k, v in now.items() if k not in FIELD_DEFAULTS}
+    check_resume_compatible(str(tmp_path), "iter_0000010", {"model": before}, {"model": now})
+    with pytest.raises(ConfigError, match=r"\(rotary_percent: 1.0 in the checkpoint, 0.5 now\)"):
+        check_resume_compatible(str(tmp_path), "iter_0000010", {"model": before},
+                                {"model": model_config_from_dict({**BASE, "rotary_percent": 0.5}).to_dict()})

@@ -188,8 +188,8 @@ def check_resume_compatible(ckpt_dir: str, tag: str, saved: dict, config: dict) 
     """Refuse a checkpoint whose model differs from this run's, naming every differing
     field. `saved` is the checkpoint's config, `config` this run's (`effective_config`). A
     different parallel layout is no reason to refuse (`layout_changes`)."""
-    # A field a checkpoint predates was built with its default value.
-    saved_model, model = {**FIELD_DEFAULTS, **saved.get("model", {})}, config["model"]
+    # A field a model section predates was built with its default value.
+    saved_model, model = {**FIELD_DEFAULTS, **saved.get("model", {})}, {**FIELD_DEFAULTS, **config["model"]}
     diffs = [f"{key}: {saved_model.get(key, '<unset>')!r} in the checkpoint, {model.get(key, '<unset>')!r} now"
              for key in sorted(set(saved_model) | set(model))
              if key not in _INIT_ONLY_KEYS and saved_model.get(key) != model.get(key)]
