@@ -2,6 +2,7 @@
 project's full state dict (layout.py), whatever tensor-parallel size they were saved with.
 
     full, source = read_mcore_checkpoint(load_dir, config, iteration=None)
+    args = read_saved_args(iter_dir)        # the namespace Megatron-LM saved (megatron_lm/checkpoint.py reads it)
 
 Layouts read (Megatron-LM's `--save` folder: `latest_checkpointed_iteration.txt`, `iter_NNNNNNN/`):
 
@@ -15,8 +16,10 @@ Layouts read (Megatron-LM's `--save` folder: `latest_checkpointed_iteration.txt`
 
 Safe loading: DCP's `.metadata` is a pickle; it is read by an unpickler that builds only the
 DCP metadata types (anything else is refused, nothing runs). Tensor data is read by torch with
-`weights_only=True`. A legacy file goes through safe_load.safe_torch_load, with what
-Megatron-LM's saved args hold also allowed (argparse's Namespace, megatron-core's enums). Optimizer state and RNG entries are skipped.
+`weights_only=True`, after checking that every file `.metadata` names is there and long enough.
+`common.pt` and a legacy file go through safe_load.safe_torch_load, with what Megatron-LM's saved
+args hold also allowed (argparse's Namespace, megatron-core's enums, the exit signal). Optimizer
+state and RNG entries are skipped.
 """
 from __future__ import annotations
 

@@ -334,4 +334,3 @@ if __name__ == "__main__":
     from megatron_lev.utils.files import replace_generated_table
 
     replace_generated_table(sys.argv[1], TABLE_HEADING, " carried, ", megatron_flag_table())
-

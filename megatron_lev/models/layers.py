@@ -23,6 +23,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron_lev.distributed.rng import get_rng_tracker
 from megatron_lev.lev.parallel import ParallelLEVEmbedding
 from megatron_lev.models.config import LeviathanConfig
+from megatron_lev.models.settings import LLAMA3_ROPE
 
 try:  # apex's fused RMSNorm kernel, used on CUDA when apex is installed
     from apex.normalization.fused_layer_norm import fused_rms_norm_affine
@@ -94,10 +95,12 @@ def rotary_inverse_frequencies(head_dim: int, base: float, rotary_percent: float
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
     if not rope_scaling:
         return inv_freq
-    low_freq_wavelen, high_freq_wavelen = 8192 / 1, 8192 / 4
+    low, high, context = (LLAMA3_ROPE[k] for k in ("low_freq_factor", "high_freq_factor",
+                                                  "original_max_position_embeddings"))
+    low_freq_wavelen, high_freq_wavelen = context / low, context / high
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope_scaling_factor, inv_freq)
-    smooth = (8192 / wavelen - 1) / (4 - 1)
+    smooth = (context / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / rope_scaling_factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)

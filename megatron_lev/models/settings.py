@@ -4,8 +4,7 @@ checkpoints) becomes this project's `model:` section, and which Hugging Face con
 setting is exported as. No other module maps a model setting.
 
     SETTINGS                      field <-> Megatron-LM flag <-> Hugging Face key, one row each
-    model_section_from_megatron_args(args, vocab_size)   the model: section of a Megatron-LM run
-    check_megatron_args(args)     ValueError in one line naming the first refused flag
+    model_section_from_megatron_args(args, vocab_size, lev)   the model: section of a Megatron-LM run
     hf_config_fields(config) / model_fields_from_hf_config(hf)   the export's and the import's keys
 
 Which Megatron-LM arguments change the model, and what happens to each (carried by a row here,

@@ -77,4 +77,3 @@ def replace_generated_table(page: str, heading: str, marker: str, table: str) ->
     end = len(text) if end == -1 else end + 1
     with atomic_path(page) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(text[:first] + table.rstrip("\n") + "\n" + ("\n" if end < len(text) else "") + text[end:])
-
