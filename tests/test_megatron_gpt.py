@@ -22,8 +22,10 @@ from tests.megatron_lm_record import recorded, recorded_namespace
 
 VOCAB, BATCH, SEQ, ITERATION = 1024, 2, 16, 7  # 1024: no vocabulary padding at TP 1 or 2
 SECTION = {**load_config("tiny-lev")["model"], "vocab_size": VOCAB}
-# Megatron-LM's --qk-layernorm --rotary-percent 0.5: the two settings pretrain_lev_gpt.py carried wrongly before.
-QK_PARTIAL_ROPE = {**SECTION, "qk_layernorm": True, "rotary_percent": 0.5}
+# Megatron-LM's --qk-layernorm --rotary-percent 0.5 (the two settings pretrain_lev_gpt.py carried wrongly
+# before), with --lev-output-norm (the LEV norm after the sum over TP ranks' heads).
+QK_PARTIAL_ROPE = {**SECTION, "qk_layernorm": True, "rotary_percent": 0.5,
+                   "lev": {**SECTION["lev"], "output_norm": True, "output_norm_init": 0.5}}
 # fp32 bounds (relative to the largest magnitude of each tensor).
 LOGITS_RTOL, LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-5, 1e-4
 
@@ -189,8 +191,9 @@ def test_gpt_model_with_lev_equals_ours_tp2(tp2, tp1):
 
 
 def test_qk_layernorm_and_partial_rope_equal_ours_tp2(tp2, tp1):
-    """--qk-layernorm --rotary-percent 0.5 at TP=2: GPTModel's q/k_layernorm (their gradients summed over
-    TP, as Megatron-LM does) and its partial RoPE equal this project's decoder, and the TP=1 model."""
+    """--qk-layernorm --rotary-percent 0.5 --lev-output-norm at TP=2: GPTModel's q/k_layernorm (their
+    gradients summed over TP, as Megatron-LM does), its partial RoPE and LEV's output norm equal this
+    project's decoder, and the TP=1 model."""
     _, ours, gpt = _models(1, QK_PARTIAL_ROPE)  # (tp1: the in-process rank and the CPU stand-ins)
     tp1_logits = _compare(ours, gpt)["logits_gpt"]
     assert _rel(tp1_logits, tp1["diffs"]["logits_gpt"]) > 1e-3  # the settings change the model

@@ -38,7 +38,6 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -80,10 +79,9 @@ class LEVLanguageModelEmbedding(ParallelLEVEmbedding):
         vocab = self.lev_config.vocab_size
         whole_vocabulary = self.lev_config.unique_ids and vocab <= batch * seq
         ids = torch.arange(vocab, device=input_ids.device) if whole_vocabulary else input_ids.reshape(-1)
-        seed_hook = self._copy_to_tensor_parallel if self.tp_size > 1 else None
-        rows = self.generator(ids, seed_hook=seed_hook).to(self.params_dtype)  # [n, h], this rank's heads
-        if self.tp_size > 1:
-            rows = reduce_from_tensor_model_parallel_region(rows, group=self.tp_group)
+        tp = self.tp_size > 1  # the rows are summed over TP before the generator's finish (output_norm)
+        rows = self.generator(ids, seed_hook=self._copy_to_tensor_parallel if tp else None,
+                              heads_hook=self._reduce_from_tensor_parallel if tp else None).to(self.params_dtype)
         if whole_vocabulary:
             embeddings = F.embedding(input_ids.t(), rows)  # [s, b, h]
         else:
