@@ -136,6 +136,34 @@ def test_hostile_pickle_is_refused_and_our_files_load(runs, tmp_path):
     check_checkpoint_files(tag_dir)  # every file of every kind
 
 
+def test_our_loads_leave_the_process_allow_list_as_they_found_it(tmp_path):
+    """megatron-core allows argparse.Namespace, numpy's arrays and more for the whole process when
+    imported (its dist_checkpointing.load reads common.pt with torch's default weights_only=True).
+    Our safe loads allow their types for the load only, and must not take those away after it."""
+    import argparse
+    import signal
+
+    import megatron.core  # noqa: F401  registers its safe globals
+
+    from megatron_lev.checkpointing.mcore import read_saved_args
+    from megatron_lev.checkpointing.safe_load import safe_torch_load
+
+    before = set(torch.serialization.get_safe_globals())
+    assert {argparse.Namespace, np.ndarray, np.dtype, signal.Signals} <= before
+    path = tmp_path / "rng.pt"
+    torch.save({"numpy": np.random.get_state()}, path)
+    assert safe_torch_load(str(path))["numpy"][0] == "MT19937"
+    iter_dir = tmp_path / "iter_0000001"
+    iter_dir.mkdir()
+    torch.save({"args": argparse.Namespace(hidden_size=64, exit_signal=signal.SIGTERM)}, iter_dir / "common.pt")
+    (iter_dir / ".metadata").write_bytes(b"")
+    (iter_dir / "metadata.json").write_text("{}")
+    assert read_saved_args(str(iter_dir)).hidden_size == 64
+    assert set(torch.serialization.get_safe_globals()) == before
+    # megatron-core's dist_checkpointing reads common.pt so (strategies/common.py): still works after ours.
+    assert torch.load(iter_dir / "common.pt", map_location="cpu")["args"].hidden_size == 64
+
+
 def test_train_load_refuses_hostile_checkpoint(runs):
     rank0, rank1 = runs["ranks"]
     assert (rank0["trained"], rank1["trained"]) == (0, 0)

@@ -35,7 +35,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lev.checkpointing.layout import expected_parameter_names, merge_tp_shards, partition_of, trim_vocab
-from megatron_lev.checkpointing.safe_load import UnsafeCheckpointError, safe_torch_load
+from megatron_lev.checkpointing.safe_load import UnsafeCheckpointError, allowing, safe_torch_load
 from megatron_lev.models.config import LeviathanConfig
 from megatron_lev.models.mcore_args import from_mcore_name
 from megatron_lev.utils.errors import CheckpointError
@@ -189,7 +189,7 @@ def _megatron_args_types() -> list:
 
 
 def _safe_legacy_load(path: str) -> dict:
-    with torch.serialization.safe_globals(_megatron_args_types()):
+    with allowing(_megatron_args_types()):
         return safe_torch_load(path)
 
 

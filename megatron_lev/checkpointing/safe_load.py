@@ -20,6 +20,7 @@ Hugging Face folders run code of their own too: megatron_lev/hf/trust.py decides
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import os
@@ -61,6 +62,17 @@ def allowed_globals() -> tuple:
     return (*allowed, LossScaler, ZeroStageEnum, fragment_address)
 
 
+@contextlib.contextmanager
+def allowing(extra_globals) -> "contextlib.AbstractContextManager[None]":
+    """`torch.serialization.safe_globals(extra_globals)` that leaves the process's own allow-list
+    as it found it. torch's context manager removes every listed type on exit, also those that
+    were allowed before it: megatron-core allows argparse.Namespace, numpy's arrays and more for
+    the whole process when imported, and its own loads then fail once we have loaded a file."""
+    already = set(torch.serialization.get_safe_globals())
+    with torch.serialization.safe_globals([g for g in extra_globals if g not in already]):
+        yield
+
+
 def safe_torch_load(path: str, map_location="cpu", mmap: bool = False):
     """`torch.load(path, weights_only=True)` with our allow-list. Raises UnsafeCheckpointError
     (a pickle that would call anything else) or CheckpointLoadError (an unreadable file),
@@ -70,7 +82,7 @@ def safe_torch_load(path: str, map_location="cpu", mmap: bool = False):
     # mmap needs torch's zip format (DeepSpeed's default); a legacy file is read whole.
     mmap = mmap and zipfile.is_zipfile(path)
     try:
-        with torch.serialization.safe_globals(list(allowed_globals())):
+        with allowing(allowed_globals()):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         message = str(exc)
