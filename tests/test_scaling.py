@@ -95,6 +95,22 @@ def test_weights_pooled_per_size_and_none():
         sc.analyse(one_seed, "untied", bootstrap=10)
 
 
+def test_one_seed_everywhere_gives_no_interval():
+    """With one seed per size and model (--weights none) the bootstrap has no noise to draw: its
+    "interval" would be the point estimate twice. None is reported, and the table says why."""
+    runs = [r for r in synthetic_runs({"lev": (1_000_000, 2.0)}) if r.seed == 1]
+    result = sc.analyse(runs, "untied", weights="none", bootstrap=50)
+    m = result["models"]["lev"]
+    assert m["multiplier"] == pytest.approx(2.0, rel=0.05) and m["ci95"] is None
+    assert m["ci95_missing"] == "no seed spread for the dense sizes or lev (one seed each): no interval"
+    table = sc.scaling_markdown(result, "Effective parameters")
+    assert "| none (1 seed) |" in table and "lev: no seed spread for the dense sizes or lev" in table
+    # Seeds on the dense side only: the model's single seed takes the pooled variance, an interval.
+    dense3 = synthetic_runs({}) + [r for r in runs if r.kind == "lev"]
+    lo, hi = sc.analyse(dense3, "untied", bootstrap=200, seed=1)["models"]["lev"]["ci95"]
+    assert lo < 2.0 < hi
+
+
 def test_fewer_than_four_dense_sizes_are_refused_in_one_line(tmp_path):
     runs = synthetic_runs({"lev": (1_000_000, 2.0)}, sizes=SIZES[:3])
     path = tmp_path / "runs.csv"

@@ -27,6 +27,8 @@ size's own variance poorly, so the sizes share one), or each size's own (`per-si
 2,000 draws): each draw takes every dense size's mean loss from N(L_i, s_i) and the model's
 from N(L, s) (its own seeds' standard error, the pooled dense variance when it has one seed),
 refits, and recomputes the multiplier; the interval is the draws' 2.5 and 97.5 percentiles.
+Without seed spread to draw from (one seed per dense size under `--weights none`, or for the
+model) there is no interval: `ci95` is null and `ci95_missing` says why.
 Sensitivity: the fit with E = 0 (a pure power law), log-linear interpolation of log N between
 the two dense sizes whose losses bracket L (none when no pair does), and the fit leaving out
 each dense size in turn (its range). A loss outside the dense sizes' range [min L_i, max L_i]
@@ -303,8 +305,9 @@ def analyse(runs: list[Run], dense: str, count: str = "params", weights: str = "
                      for p, m, s, k, g in zip(stats.params, stats.loss, stats.std, stats.n, stats.sigma)]}
 
     rng = np.random.default_rng(seed)
+    dense_noise = bool((stats.se > 0).any())
     draws = []  # the dense refits of the bootstrap, shared by every model
-    for _ in range(bootstrap):
+    for _ in range(bootstrap if dense_noise else 0):
         noisy = stats.loss + rng.standard_normal(len(stats.loss)) * stats.se
         draws.append(fit_power_law(stats.params, noisy, stats.sigma, start=law))
 
@@ -320,13 +323,18 @@ def analyse(runs: list[Run], dense: str, count: str = "params", weights: str = "
         own_var = float(losses.var(ddof=1)) if len(losses) > 1 else None
         se = math.sqrt((own_var if own_var else (pooled or 0.0)) / len(losses))
         n_eff = law.n_eff(mean)
-        boot = np.array([d.n_eff(mean + se * rng.standard_normal()) / n for d in draws])
+        # The bootstrap draws the seed noise of the dense means and of this model's mean: with one
+        # seed everywhere (--weights none) there is none, and its "interval" would be one point.
+        missing = [what for what, noise in (("the dense sizes", dense_noise), (kind, se > 0)) if not noise]
+        boot = np.array([d.n_eff(mean + se * rng.standard_normal()) / n for d in draws] if not missing else [])
         lo, hi = (np.quantile(boot, [0.025, 0.975], method="inverted_cdf") if len(boot) else (math.nan, math.nan))
         loo = [f.n_eff(mean) / n for f in leave_one_out.values()]
         models[kind] = {
             "params": int(n), "seeds": len(losses), "loss_mean": mean,
             "loss_std": math.sqrt(own_var) if own_var is not None else None, "loss_se": se,
-            "n_eff": n_eff, "multiplier": n_eff / n, "ci95": [float(lo), float(hi)],
+            "n_eff": n_eff, "multiplier": n_eff / n, "ci95": None if missing else [float(lo), float(hi)],
+            "ci95_missing": (f"no seed spread for {' or '.join(missing)} (one seed each): no interval"
+                             if missing else None),
             "bootstrap_draws": int(len(boot)), "bootstrap_infinite": int(np.isinf(boot).sum()),
             "extrapolated": not (stats.loss.min() <= mean <= stats.loss.max()),
             "sensitivity": {
@@ -374,14 +382,19 @@ def scaling_markdown(result: dict, title: str) -> str:
         std = "" if m["loss_std"] is None else f" ± {m['loss_std']:.4f}"
         s = m["sensitivity"]
         lines.append(f"| {kind} | {_params(m['params'])} | {m['seeds']} | {m['loss_mean']:.4f}{std} | "
-                     f"{_params(m['n_eff'])} | {_num(m['multiplier'])}x | [{_num(m['ci95'][0])}, {_num(m['ci95'][1])}] | "
+                     f"{_params(m['n_eff'])} | {_num(m['multiplier'])}x | {_interval(m['ci95'])} | "
                      f"{_num(s['E_zero'])}x | {_num(s['interpolated'])}{'x' if s['interpolated'] else ''} | "
                      f"{_num(s['leave_one_out_range'][0])}-{_num(s['leave_one_out_range'][1])}x | "
                      f"{'yes' if m['extrapolated'] else 'no'} |")
+    lines += [f"\n{kind}: {m['ci95_missing']}." for kind, m in result["models"].items() if m["ci95_missing"]]
     lines += ["", f"The v1 paper reports {lo}-{hi}x for Leviathan at 60M-725M parameters. The interval is a "
                   f"parametric bootstrap of {next(iter(result['models'].values()))['bootstrap_draws'] if result['models'] else 0} "
                   "draws (the dense means and the model's own mean drawn from their standard errors, refitted)."]
     return "\n".join(lines) + "\n"
+
+
+def _interval(ci95) -> str:
+    return "none (1 seed)" if ci95 is None else f"[{_num(ci95[0])}, {_num(ci95[1])}]"
 
 
 def plot_scaling(result: dict, path: str, title: str, xlabel: str) -> str:
