@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from scipy import stats
 
 from megatron_lev.evaluation import bins
 
@@ -48,6 +49,10 @@ def test_bins_exact_differences_mass_intervals_and_signs(tmp_path):
     assert by_input["0"]["ppl_change_pct"] == pytest.approx(100 * math.expm1(by_input["0"]["difference"]))
     assert by_input["0"]["per_seed"]["3"] == pytest.approx(-0.5 + 0.04, abs=3e-3)
     assert (by_input["0"]["seeds_below_zero"], by_input["0"]["seeds_above_zero"]) == (3, 0)
+    # The t-test over seeds: per-seed differences near -0.51, -0.50, -0.46 against 0.
+    expected = stats.ttest_1samp(list(by_input["0"]["per_seed"].values()), 0.0)
+    assert by_input["0"]["t_test"]["p"] == pytest.approx(expected.pvalue) and by_input["0"]["t_test"]["p"] < 0.01
+    assert by_input["0"]["t_test"]["t"] == pytest.approx(expected.statistic) and by_input["0"]["t_test"]["n"] == 3
     # Constant differences within a bin: the bootstrap interval collapses onto them.
     lo, hi = by_input["0"]["ci95"]
     assert lo <= by_input["0"]["difference"] <= hi and hi - lo < 5e-3
@@ -61,6 +66,45 @@ def test_bins_exact_differences_mass_intervals_and_signs(tmp_path):
     assert saved["pairs"]["lev:untied"]["input"][0]["eval_tokens"] == 100
     text = (tmp_path / "out" / "bins.md").read_text()
     assert "### lev vs untied, by training count of the input token" in text and "| 0 | 2 |" in text
+    assert f"| 3 / 0 | {by_input['0']['t_test']['p']:.3f} |" in text
+
+
+def split_models(path, out_a, out_b):
+    """Move one seed's models into two files, as when a model was evaluated apart."""
+    with np.load(path) as data:
+        arrays = {k: data[k] for k in data.files}
+    shared = {k: arrays[k] for k in bins.SHARED_KEYS}
+    for out, model in ((out_a, "lev"), (out_b, "untied")):
+        out.mkdir(parents=True)
+        np.savez_compressed(out / "token_nll.npz", **shared, **{f"nll/{model}": arrays[f"nll/{model}"]})
+
+
+def test_a_seed_evaluated_apart_gives_the_same_bins(tmp_path):
+    for seed, shift in ((1, -0.01), (2, 0.03)):
+        seed_file(tmp_path / f"s{seed}", seed, shift)
+    whole = bins.main(["--seed-dir", f"1={tmp_path / 's1'}", "--seed-dir", f"2={tmp_path / 's2'}",
+                       "--pair", "lev:untied", "--bootstrap", "200", "--output-dir", str(tmp_path / "whole")])
+    # seed 1 in two folders (named with a comma), seed 2 in two files below one folder
+    split_models(tmp_path / "s1" / "token_nll.npz", tmp_path / "a1", tmp_path / "b1")
+    split_models(tmp_path / "s2" / "token_nll.npz", tmp_path / "two" / "lev", tmp_path / "two" / "untied")
+    apart = bins.main(["--seed-dir", f"1={tmp_path / 'a1'},{tmp_path / 'b1'}", "--seed-dir", f"2={tmp_path / 'two'}",
+                       "--pair", "lev:untied", "--bootstrap", "200", "--output-dir", str(tmp_path / "apart")])
+    assert apart["pairs"] == whole["pairs"]
+    # a model in two files, files that score different tokens, and a missing folder are refused
+    split_models(tmp_path / "s1" / "token_nll.npz", tmp_path / "c1", tmp_path / "d1")
+    with pytest.raises(SystemExit, match="model 'lev' is in both"):
+        bins.main(["--seed-dir", f"1={tmp_path / 'a1'},{tmp_path / 'c1'}", "--pair", "lev:untied",
+                   "--output-dir", str(tmp_path / "o")])
+    with np.load(tmp_path / "b1" / "token_nll.npz") as data:
+        arrays = {k: data[k] for k in data.files}
+    arrays["label_ids"] = arrays["label_ids"][::-1].copy()
+    np.savez_compressed(tmp_path / "b1" / "token_nll.npz", **arrays)
+    with pytest.raises(SystemExit, match="differ in label_ids: a seed's files must score the same"):
+        bins.main(["--seed-dir", f"1={tmp_path / 'a1'},{tmp_path / 'b1'}", "--pair", "lev:untied",
+                   "--output-dir", str(tmp_path / "o")])
+    with pytest.raises(SystemExit, match="nowhere: no such directory"):
+        bins.main(["--seed-dir", f"1={tmp_path / 'a1'},{tmp_path / 'nowhere'}", "--pair", "lev:untied",
+                   "--output-dir", str(tmp_path / "o")])
 
 
 def test_bootstrap_interval_matches_the_standard_error_on_a_large_sample():

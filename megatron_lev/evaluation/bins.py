@@ -3,10 +3,13 @@
     python -m megatron_lev.evaluation.bins --seed-dir 1=eval/s1 --seed-dir 2=eval/s2 --seed-dir 3=eval/s3 \
         --pair lev:untied --pair tied:untied --output-dir eval/bins
 
-Each seed directory holds (anywhere below it) one token_nll.npz of `megatron_lev.evaluate
+Each seed directory holds (anywhere below it) a token_nll.npz of `megatron_lev.evaluate
 --save-token-nll --freq-dataset ...`: every scored position's input and label ids, each model's
-NLL there, and the training counts of every token type. All seeds must have scored the same
-positions (the same validation tokens) with the same counts.
+NLL there, and the training counts of every token type. A seed may name several directories
+(`--seed-dir 1=eval/s1,eval/s1-tied`), or hold several files, when its models were evaluated
+apart: every file below them is read, and their models are joined once the files are shown to
+score the same positions with the same counts. All seeds must have scored the same positions
+(the same validation tokens) with the same counts.
 
 A position goes to the bin of the training count of its *predicted* token (the label) or of its
 *input* token (the one LEV embeds there), with the bins' lower edges `--edges` (default
@@ -23,6 +26,8 @@ bin:
               2.5 and 97.5 percentiles of the resampled mean; it holds the token sampling error
               of these validation tokens, not the seed-to-seed spread, which `per_seed` shows
   signs       per seed, the bin's mean difference, and how many seeds are below / above zero
+  t-test      the per-seed differences against 0 (scipy's one-sample test, two-sided p, as in
+              megatron_lev.evaluation.seeds): the seed-to-seed spread the bootstrap leaves out
 
 Output (`--output-dir`): bins.json and bins.md.
 """
@@ -36,6 +41,7 @@ import os
 import numpy as np
 
 from megatron_lev.evaluation.report import parse_named
+from megatron_lev.evaluation.seeds import paired_t_test
 from megatron_lev.utils.files import write_json_atomic, write_text_atomic
 
 STRATA = {"predicted": "label_ids", "input": "input_ids"}
@@ -72,16 +78,38 @@ def bootstrap_mean_interval(values: np.ndarray, draws: int, rng: np.random.Gener
     return float(lo), float(hi)
 
 
-def load_seed(seed: str, seed_dir: str) -> dict:
-    found = sorted(glob.glob(os.path.join(seed_dir, "**", "token_nll.npz"), recursive=True))
-    if len(found) != 1:
-        raise ValueError(f"--seed-dir {seed}={seed_dir}: want exactly one token_nll.npz below it, found {len(found)} "
+SHARED_KEYS = ("input_ids", "label_ids", "train_counts")  # what every file of every seed must agree on
+
+
+def load_seed(seed: str, seed_dirs: str) -> dict:
+    """The token_nll.npz files below one seed's directories (comma-separated), joined by model."""
+    found = []
+    for seed_dir in seed_dirs.split(","):
+        if not os.path.isdir(seed_dir):
+            raise ValueError(f"--seed-dir {seed}={seed_dirs}: {seed_dir}: no such directory")
+        found += sorted(glob.glob(os.path.join(seed_dir, "**", "token_nll.npz"), recursive=True))
+    if not found:
+        raise ValueError(f"--seed-dir {seed}={seed_dirs}: no token_nll.npz below it "
                          "(megatron_lev.evaluate --save-token-nll)")
-    with np.load(found[0]) as data:
-        arrays = {k: data[k] for k in data.files}
-    if "train_counts" not in arrays:
-        raise ValueError(f"{found[0]}: no train_counts (evaluate with --freq-dataset as well)")
-    return {"path": found[0], **arrays}
+    joined: dict = {}
+    for path in found:
+        with np.load(path) as data:
+            arrays = {k: data[k] for k in data.files}
+        if "train_counts" not in arrays:
+            raise ValueError(f"{path}: no train_counts (evaluate with --freq-dataset as well)")
+        if not joined:
+            joined = {"path": path, **arrays}
+            continue
+        for key in SHARED_KEYS:
+            if arrays[key].shape != joined[key].shape or not np.array_equal(arrays[key], joined[key]):
+                raise ValueError(f"--seed-dir {seed}: {path} and {joined['path']} differ in {key}: "
+                                 "a seed's files must score the same validation tokens with the same counts")
+        for key, value in arrays.items():
+            if key.startswith("nll/"):
+                if key in joined:
+                    raise ValueError(f"--seed-dir {seed}: model {key[4:]!r} is in both {path} and {joined['path']}")
+                joined[key] = value
+    return joined
 
 
 def compare(seeds: dict[str, dict], pairs: list[tuple[str, str]], edges=DEFAULT_EDGES, draws: int = 2000,
@@ -128,7 +156,8 @@ def compare(seeds: dict[str, dict], pairs: list[tuple[str, str]], edges=DEFAULT_
                     "difference": diff, "ci95": [lo, hi] if n else [None, None],
                     "ppl_change_pct": None if diff is None else 100 * math.expm1(diff),
                     "per_seed": per_seed,
-                    "seeds_below_zero": sum(v < 0 for v in signs), "seeds_above_zero": sum(v > 0 for v in signs)})
+                    "seeds_below_zero": sum(v < 0 for v in signs), "seeds_above_zero": sum(v > 0 for v in signs),
+                    "t_test": paired_t_test(per_seed)})
             strata[stratum] = rows
         result["pairs"][f"{model}:{baseline}"] = {"model": model, "baseline": baseline, **strata}
     return result
@@ -140,6 +169,10 @@ def _fmt(value, digits=4, signed=True) -> str:
     return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
 
 
+def _p(test: dict) -> str:
+    return "n/a" if test["p"] is None else f"{test['p']:.3f}"
+
+
 def bins_markdown(result: dict) -> str:
     lines = [f"Positions: {result['positions']:,} per seed; seeds {', '.join(result['seeds'])}; paired token-level "
              f"bootstrap of {result['bootstrap_draws']:,} draws.", ""]
@@ -147,15 +180,15 @@ def bins_markdown(result: dict) -> str:
         for stratum in STRATA:
             lines += [f"### {pair['model']} vs {pair['baseline']}, by training count of the {stratum} token", "",
                       "| training count | types | train share | eval tokens (share) | loss difference (nats) | "
-                      "95% interval | perplexity change | per seed | seeds < 0 / > 0 |",
-                      "|---|---|---|---|---|---|---|---|---|"]
+                      "95% interval | perplexity change | per seed | seeds < 0 / > 0 | p (t over seeds) |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
             for r in pair[stratum]:
                 seeds = ", ".join(_fmt(v) for v in r["per_seed"].values())
                 change = "n/a" if r["ppl_change_pct"] is None else f"{r['ppl_change_pct']:+.1f}%"
                 lines.append(f"| {r['bin']} | {r['types']:,} | {r['train_token_share']:.4f} | {r['eval_tokens']:,} "
                              f"({100 * r['eval_token_share']:.2f}%) | {_fmt(r['difference'])} | "
                              f"[{_fmt(r['ci95'][0])}, {_fmt(r['ci95'][1])}] | {change} | {seeds} | "
-                             f"{r['seeds_below_zero']} / {r['seeds_above_zero']} |")
+                             f"{r['seeds_below_zero']} / {r['seeds_above_zero']} | {_p(r['t_test'])} |")
             lines.append("")
     return "\n".join(lines)
 
@@ -164,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megatron_lev.evaluation.bins",
                                 description="Loss differences by training-count bin of the predicted and input "
                                             "token, with token mass, a paired bootstrap interval and signs over seeds.")
-    p.add_argument("--seed-dir", action="append", required=True, metavar="SEED=DIR")
+    p.add_argument("--seed-dir", action="append", required=True, metavar="SEED=DIR[,DIR...]",
+                   help="one seed's token_nll.npz files (anywhere below each DIR); repeat per seed")
     p.add_argument("--pair", action="append", required=True, metavar="MODEL:BASELINE")
     p.add_argument("--edges", default=",".join(map(str, DEFAULT_EDGES)),
                    help="lower edges of the bins after the first, ascending integers (default 1,10,100,1000)")
