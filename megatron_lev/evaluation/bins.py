@@ -81,6 +81,14 @@ def bootstrap_mean_interval(values: np.ndarray, draws: int, rng: np.random.Gener
 SHARED_KEYS = ("input_ids", "label_ids", "train_counts")  # what every file of every seed must agree on
 
 
+def first_difference(a: dict, b: dict) -> str | None:
+    """The first of SHARED_KEYS on which two token_nll files differ (None: the same tokens and counts)."""
+    for key in SHARED_KEYS:
+        if a[key].shape != b[key].shape or not np.array_equal(a[key], b[key]):
+            return key
+    return None
+
+
 def load_seed(seed: str, seed_dirs: str) -> dict:
     """The token_nll.npz files below one seed's directories (comma-separated), joined by model."""
     found = []
@@ -100,10 +108,10 @@ def load_seed(seed: str, seed_dirs: str) -> dict:
         if not joined:
             joined = {"path": path, **arrays}
             continue
-        for key in SHARED_KEYS:
-            if arrays[key].shape != joined[key].shape or not np.array_equal(arrays[key], joined[key]):
-                raise ValueError(f"--seed-dir {seed}: {path} and {joined['path']} differ in {key}: "
-                                 "a seed's files must score the same validation tokens with the same counts")
+        key = first_difference(arrays, joined)
+        if key:
+            raise ValueError(f"--seed-dir {seed}: {path} and {joined['path']} differ in {key}: "
+                             "a seed's files must score the same validation tokens with the same counts")
         for key, value in arrays.items():
             if key.startswith("nll/"):
                 if key in joined:
@@ -116,10 +124,10 @@ def compare(seeds: dict[str, dict], pairs: list[tuple[str, str]], edges=DEFAULT_
             rng_seed: int = 0) -> dict:
     first_seed, first = next(iter(seeds.items()))
     for seed, data in seeds.items():
-        for key in ("input_ids", "label_ids", "train_counts"):
-            if data[key].shape != first[key].shape or not np.array_equal(data[key], first[key]):
-                raise ValueError(f"seed {seed} ({data['path']}) and seed {first_seed} ({first['path']}) differ in "
-                                 f"{key}: they must score the same validation tokens with the same counts")
+        key = first_difference(data, first)
+        if key:
+            raise ValueError(f"seed {seed} ({data['path']}) and seed {first_seed} ({first['path']}) differ in "
+                             f"{key}: they must score the same validation tokens with the same counts")
         for model, baseline in pairs:
             for name in (model, baseline):
                 if f"nll/{name}" not in data:
