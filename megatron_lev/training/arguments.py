@@ -532,7 +532,9 @@ def summarize_config(cfg: dict, full_path: str) -> str:
                             t["tensor_model_parallel_size"])
     zero = ds.get("zero_optimization", {}).get("stage")
     lines = [
-        f"config {cfg['config']}: {m.get('embedding')} model, {m.get('num_layers')} layers x {m.get('hidden_size')}, "
+        f"config {cfg['config']}: {m.get('embedding')} model"
+        + (" (input table frozen)" if m.get("freeze_input_embedding") else "")
+        + f", {m.get('num_layers')} layers x {m.get('hidden_size')}, "
         f"vocab {m['vocab_size']} (padded {padded})",
         f"parallel: TP {t['tensor_model_parallel_size']} x PP {t['pipeline_model_parallel_size']} x DP "
         f"{t.get('data_parallel_size')}, ZeRO-{zero}, {'bf16' if t['bf16'] else 'fp32'}; batch {t['global_batch_size']}"
