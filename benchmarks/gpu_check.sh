@@ -36,9 +36,17 @@ export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore} CUDA_DEVICE_MAX_CONNECTIONS=1 TR
 # The image's pytest plugins are not loaded into the kernel tests (they need not match).
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 # DeepSpeed's fused Adam is built for this GPU's architecture only (one nvcc pass, not a list).
+# DeepSpeed 0.19's op builder reads each entry as MAJOR.MINOR[+PTX] and cannot parse an
+# architecture-specific suffix: the H200 image sets TORCH_CUDA_ARCH_LIST=9.0a, and its fused Adam
+# then failed with "invalid literal for int() with base 10: '0a'" (first GPU call, 4 December
+# 2026). The suffix is dropped (9.0a -> 9.0): Adam uses no sm_90a-only instruction.
 arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 || true)
 if [[ -z ${TORCH_CUDA_ARCH_LIST:-} && -n $arch ]]; then
     export TORCH_CUDA_ARCH_LIST=$arch
+fi
+if [[ -n ${TORCH_CUDA_ARCH_LIST:-} ]]; then
+    TORCH_CUDA_ARCH_LIST=$(sed -E 's/([0-9]+\.[0-9]+)[a-z]/\1/g' <<< "$TORCH_CUDA_ARCH_LIST")
+    export TORCH_CUDA_ARCH_LIST
 fi
 export GPU_CHECK_SITE=$site
 unset DS_ACCELERATOR  # DeepSpeed finds the GPU itself (slurm/common.sh does the same)

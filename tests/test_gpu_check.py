@@ -127,6 +127,17 @@ def test_gpu_check_says_when_torch_sees_no_gpu(tmp_path):
     assert 400 < settings["time_limit_s"] <= 470
 
 
+@pytest.mark.parametrize("given, expected", [("9.0a", "9.0"), ("8.0 9.0a+PTX", "8.0 9.0+PTX")])
+def test_gpu_check_drops_the_arch_suffix_deepspeed_cannot_parse(tmp_path, given, expected):
+    """The H200 image sets TORCH_CUDA_ARCH_LIST=9.0a; DeepSpeed 0.19's op builder failed on it
+    ("invalid literal for int() with base 10: '0a'") and the first GPU call ran torch's AdamW
+    instead of fused Adam. gpu_check.sh hands the check 9.0 (and keeps +PTX)."""
+    wheels = probe_wheel_folder(tmp_path / "wheels", [])
+    env = {**_fake_nvidia_smi(tmp_path, 1), "TORCH_CUDA_ARCH_LIST": given}
+    _, report = _run_script("gpu_check.sh", [wheels], env, tmp_path)
+    assert report["settings"]["TORCH_CUDA_ARCH_LIST"] == expected
+
+
 def test_the_install_keeps_the_machines_pytest(tmp_path):
     """The folder's pytest (here a 99.0 stand-in) does not replace the machine's own: the check's
     environment sees the machine's pytest, and the record says so. Before issue 34 every wheel

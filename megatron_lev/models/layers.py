@@ -167,6 +167,10 @@ class VocabEmbedding(VocabParallelEmbedding):
             super().__init__(config.padded_vocab_size, config.hidden_size, config=config,
                              init_method=_vocab_init(config.init_method, config.vocab_size),
                              tp_group=parallel_state.get_tensor_model_parallel_group())
+        if config.freeze_input_embedding:
+            # No gradient is computed for it, so the optimizer (optim.param_groups keeps trainable
+            # parameters only) holds no state for it and never decays it: it stays at its init.
+            self.weight.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().forward(input_ids.t())  # look up [s, b]: no transpose of the output

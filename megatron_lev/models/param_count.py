@@ -27,7 +27,8 @@ def count_parameters(config: LeviathanConfig) -> dict:
     """Analytic parameter counts of the whole model (all TP ranks together, padding rows
     included, as allocated). Keys: embedding (the LEV generator or the table), output_layer,
     attention / mlp / norms / per_layer (one layer), layers (all), final_norm, total,
-    and vocab_padding (rows counted in embedding/output_layer that are padding)."""
+    vocab_padding (rows counted in embedding/output_layer that are padding), frozen (of the
+    total, what is never trained: the input table under freeze_input_embedding) and trainable."""
     h, nh, ng, dh = config.hidden_size, config.num_attention_heads, config.num_query_groups, config.kv_channels
     attention = h * (nh + 2 * ng) * dh + nh * dh * h
     mlp = 3 * h * config.ffn_hidden_size
@@ -53,6 +54,9 @@ def count_parameters(config: LeviathanConfig) -> dict:
         "vocab_padding": padding * ((config.embedding != "lev") + (config.embedding != "tied")),
     }
     counts["total"] = embedding + output_layer + counts["layers"] + h
+    # Counted in the total (they are the model's), and reported apart: never trained.
+    counts["frozen"] = embedding if config.freeze_input_embedding else 0
+    counts["trainable"] = counts["total"] - counts["frozen"]
     return counts
 
 
@@ -60,9 +64,18 @@ def _total(section: dict, tp: int) -> int:
     return count_parameters(model_config_from_dict(section, tensor_model_parallel_size=tp))["total"]
 
 
+# Model fields that belong to one input side: dropped when a section is turned into another kind.
+INPUT_SIDE_FIELDS = {"freeze_input_embedding": "untied"}
+
+
+def with_embedding(section: dict, kind: str) -> dict:
+    """`section` with input side `kind`, without the fields of the other input sides."""
+    return {**{k: v for k, v in section.items() if INPUT_SIDE_FIELDS.get(k, kind) == kind}, "embedding": kind}
+
+
 def compare_embeddings(section: dict, tensor_model_parallel_size: int = 1) -> dict:
     """Total parameters of the same backbone with each input side: {kind: total}."""
-    return {kind: _total({**section, "embedding": kind}, tensor_model_parallel_size) for kind in EMBEDDING_KINDS}
+    return {kind: _total(with_embedding(section, kind), tensor_model_parallel_size) for kind in EMBEDDING_KINDS}
 
 
 def plan_isoparametric(baseline: dict, lev: dict | None = None, vary: str = "depth", tolerance: float = 0.01,
@@ -79,7 +92,7 @@ def plan_isoparametric(baseline: dict, lev: dict | None = None, vary: str = "dep
         raise ValueError(f"--vary {vary!r}: expected 'depth' or 'width'")
     base_config = model_config_from_dict(baseline, tensor_model_parallel_size=tp)
     target = count_parameters(base_config)["total"]
-    start = {**baseline, "embedding": "lev", "lev": dict(lev if lev is not None else baseline.get("lev") or {}),
+    start = {**with_embedding(baseline, "lev"), "lev": dict(lev if lev is not None else baseline.get("lev") or {}),
              "ffn_hidden_size": base_config.ffn_hidden_size}
     if vary == "depth":
         candidates = [{**start, "num_layers": n} for n in range(max(1, base_config.pipeline_model_parallel_size),
@@ -136,6 +149,8 @@ def breakdown_table(name: str, section: dict, tensor_model_parallel_size: int = 
     total = c["total"]
     input_name = {"lev": "embedding (LEV generator)", "tied": "embedding (table = head)",
                   "untied": "embedding (table)"}[config.embedding]
+    if config.freeze_input_embedding:
+        input_name = "embedding (table, frozen)"
     rows = [
         (input_name, c["embedding"]),
         ("output head" + (" (tied: the table)" if config.embedding == "tied" else ""), c["output_layer"]),
@@ -148,9 +163,10 @@ def breakdown_table(name: str, section: dict, tensor_model_parallel_size: int = 
         ("total", total),
     ]
     lines = [
-        f"{name}: embedding={config.embedding}, vocab {config.vocab_size:,} (padded {config.padded_vocab_size:,} "
-        f"at TP={tensor_model_parallel_size}), {config.num_layers} layers, hidden {config.hidden_size}, "
-        f"ffn {config.ffn_hidden_size}, heads {config.num_attention_heads} ({config.num_query_groups} kv)",
+        f"{name}: embedding={config.embedding}{' (input table frozen)' * config.freeze_input_embedding}, "
+        f"vocab {config.vocab_size:,} (padded {config.padded_vocab_size:,} at TP={tensor_model_parallel_size}), "
+        f"{config.num_layers} layers, hidden {config.hidden_size}, ffn {config.ffn_hidden_size}, "
+        f"heads {config.num_attention_heads} ({config.num_query_groups} kv)",
         f"{'component':<32}{'parameters':>16}{'share':>9}",
     ]
     for label, n in rows:
@@ -158,6 +174,8 @@ def breakdown_table(name: str, section: dict, tensor_model_parallel_size: int = 
         lines.append(f"{label:<32}{_fmt(n):>16}{share:>9}")
     if c["vocab_padding"]:
         lines.append(f"(of which vocabulary padding rows: {_fmt(c['vocab_padding'])})")
+    if c["frozen"]:
+        lines.append(f"frozen (never trained): {_fmt(c['frozen'])}; trainable: {_fmt(c['trainable'])}")
     totals = compare_embeddings(section, tensor_model_parallel_size)
     lines.append("")
     lines.append("same backbone, each input side:")

@@ -52,6 +52,9 @@ def _query_groups(args):
 
 SETTINGS = (
     Setting("embedding", "--embedding", str, from_args=lambda args: "lev"),
+    # Ours alone (Megatron-LM's GPTModel+LEV always trains its whole input side): keep the untied
+    # input table at its random initialisation (docs/model.md, "Input sides").
+    Setting("freeze_input_embedding", "--freeze-input-embedding", bool, from_args=lambda args: False),
     Setting("num_layers", "--num-layers", int, hf="num_hidden_layers"),
     Setting("hidden_size", "--hidden-size", int, hf="hidden_size"),
     Setting("ffn_hidden_size", "--ffn-hidden-size", int, hf="intermediate_size"),

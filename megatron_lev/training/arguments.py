@@ -43,6 +43,7 @@ TRAINING_DEFAULTS = {
     "decoupled_min_lr": None,
     "lev_lr_mult": 1.0,
     "lev_clip_grad": None,
+    "lev_no_weight_decay": False,
     "lr_warmup_iters": 0,
     "lr_warmup_samples": 0,
     "lr_warmup_fraction": None,
@@ -153,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "output layer), on its schedule (docs/lev.md, Knobs)")
     g.add_argument("--lev-clip-grad", type=float, help="clip the LEV generator's gradient norm to this and the rest's "
                    "to --clip-grad, each by its own norm (default: one global norm, Megatron's; 0 leaves it unclipped)")
+    g.add_argument("--lev-no-weight-decay", action=argparse.BooleanOptionalAction,
+                   help="no weight decay on the LEV generator's parameters, as its author trains it (default: "
+                        "--weight-decay on its matrices; docs/lev.md, The author's training)")
     g.add_argument("--lr-warmup-iters", type=int)
     g.add_argument("--lr-warmup-samples", type=int)
     g.add_argument("--lr-warmup-fraction", type=float, help="warmup as a fraction of the decay length")
@@ -379,7 +383,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.lev_clip_grad is not None and not (math.isfinite(args.lev_clip_grad) and args.lev_clip_grad >= 0):
         raise ConfigError(f"--lev-clip-grad must be a finite number >= 0, got {args.lev_clip_grad}")
     embedding = args.model.get("embedding")
-    for flag, on in (("--lev-lr-mult", args.lev_lr_mult != 1.0), ("--lev-clip-grad", args.lev_clip_grad is not None)):
+    for flag, on in (("--lev-lr-mult", args.lev_lr_mult != 1.0), ("--lev-clip-grad", args.lev_clip_grad is not None),
+                     ("--lev-no-weight-decay", args.lev_no_weight_decay)):
         if on and embedding != "lev":
             raise ConfigError(f"{flag}: the model has no LEV generator (embedding: {embedding})")
     _schedule_in_samples(args)
@@ -527,7 +532,9 @@ def summarize_config(cfg: dict, full_path: str) -> str:
                             t["tensor_model_parallel_size"])
     zero = ds.get("zero_optimization", {}).get("stage")
     lines = [
-        f"config {cfg['config']}: {m.get('embedding')} model, {m.get('num_layers')} layers x {m.get('hidden_size')}, "
+        f"config {cfg['config']}: {m.get('embedding')} model"
+        + (" (input table frozen)" if m.get("freeze_input_embedding") else "")
+        + f", {m.get('num_layers')} layers x {m.get('hidden_size')}, "
         f"vocab {m['vocab_size']} (padded {padded})",
         f"parallel: TP {t['tensor_model_parallel_size']} x PP {t['pipeline_model_parallel_size']} x DP "
         f"{t.get('data_parallel_size')}, ZeRO-{zero}, {'bf16' if t['bf16'] else 'fp32'}; batch {t['global_batch_size']}"
@@ -538,6 +545,7 @@ def summarize_config(cfg: dict, full_path: str) -> str:
            if t.get("decoupled_lr") is not None else "")
         + (f"LEV generator x{t['lev_lr_mult']:g}, " if t.get("lev_lr_mult", 1.0) != 1.0 else "")
         + (f"LEV generator clipped apart at {t['lev_clip_grad']:g}, " if t.get("lev_clip_grad") is not None else "")
+        + ("LEV generator without weight decay, " if t.get("lev_no_weight_decay") else "")
         + "warmup "
         f"{t.get('lr_warmup_steps', 0) / t['global_batch_size']:g} iterations; data {' '.join(map(str, t['data_path'] or t['train_data_path'] or []))}",
         f"full configuration: {full_path}",

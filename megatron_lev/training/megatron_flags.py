@@ -87,5 +87,7 @@ SUPPORTED_NOTES = {
 
 # Flags of megatron_lev.train that Megatron-LM does not have.
 TRAIN_OWN_FLAGS = ("--config", "--zero-stage", "--train-tokens", "--keep-last-checkpoints", "--metrics-file",
-                   "--gpu-type", "--peak-tflops", "--max-skipped-steps", "--embedding", "--compile-layers",
-                   "--override-checkpoint-args", "--trust-remote-code", "--lev-lr-mult", "--lev-clip-grad")
+                   "--gpu-type", "--peak-tflops", "--max-skipped-steps", "--embedding",
+                   "--freeze-input-embedding", "--compile-layers",
+                   "--override-checkpoint-args", "--trust-remote-code", "--lev-lr-mult", "--lev-clip-grad",
+                   "--lev-no-weight-decay")

@@ -254,6 +254,11 @@ def check_resume_schedule(args, saved: dict, config: dict) -> None:
                           f"the LEV generator in groups of its own (--lev-lr-mult / --lev-clip-grad) and this run "
                           f"{'puts it there' if now else 'does not'}: its parameter groups differ; keep the "
                           "checkpoint's setting or add --no-load-optim")
+    then, now = (bool(t.get("lev_no_weight_decay")) for t in (saved.get("training", {}), config["training"]))
+    if not args.no_load_optim and then != now:
+        raise ConfigError(f"--load {args.load}: the checkpoint's optimizer was saved {'with' if then else 'without'} "
+                          f"--lev-no-weight-decay and this run {'sets it' if now else 'does not'}: its parameter "
+                          "groups differ; keep the checkpoint's setting or add --no-load-optim")
     if args.no_load_optim or args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
         return
     changed = schedule_mismatch(saved.get("training", {}), config["training"])
