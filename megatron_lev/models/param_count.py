@@ -94,9 +94,9 @@ def plan_isoparametric(baseline: dict, lev: dict | None = None, vary: str = "dep
     target = count_parameters(base_config)["total"]
     start = {**with_embedding(baseline, "lev"), "lev": dict(lev if lev is not None else baseline.get("lev") or {}),
              "ffn_hidden_size": base_config.ffn_hidden_size}
-    if vary == "depth":
+    if vary == "depth":  # up to 16x the baseline's depth: v1's embedding-dominated pair is 6 vs 52 layers
         candidates = [{**start, "num_layers": n} for n in range(max(1, base_config.pipeline_model_parallel_size),
-                                                                4 * base_config.num_layers + 1)]
+                                                                16 * base_config.num_layers + 1)]
     else:  # wider = more heads of the same size, the MLP keeping the baseline's ffn/hidden ratio
         head_dim, groups = base_config.kv_channels, base_config.num_query_groups
         mha = groups == base_config.num_attention_heads
