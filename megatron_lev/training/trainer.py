@@ -29,6 +29,7 @@ from megatron_lev.checkpointing.universal import UNIVERSAL
 from megatron_lev.distributed.launch import default_device
 from megatron_lev.distributed.state import print_rank_0
 from megatron_lev.training.batches import PipelineBatches, distinct_count, micro_batches, model_inputs
+from megatron_lev.training.diagnostics import EmbeddingWatch, log_line_fields, start_line
 from megatron_lev.training.engine import build_engine, poison_nonfinite
 from megatron_lev.training.flops import flops_model, peak_flops_per_device, training_flops
 from megatron_lev.training.metrics import MetricsWriter
@@ -120,6 +121,7 @@ class Trainer:
         if resume_tag is not None and self.layout_changes:
             ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
         self.engine = build_engine(args, model_config, ds_config)
+        self.watch = EmbeddingWatch(self.engine, model_config.vocab_size, args.clip_grad, self.device)
         self.is_pipeline = args.pipeline_model_parallel_size > 1
         self.dp_group = parallel_state.get_data_parallel_group()
         # Only one rank per DP replica contributes to sums over the world.
@@ -298,9 +300,7 @@ class Trainer:
             "skipped_steps": st.skipped_steps,
             "skipped_in_interval": stats.skipped,
         }
-        families = getattr(getattr(self.engine, "optimizer", None), "family_grad_norms", None)
-        if families:  # --lev-clip-grad: each family's norm before its own clipping (training/clipping.py)
-            record.update({f"{name}_grad_norm": float(norm) for name, norm in families.items()})
+        record.update(self.watch.interval_record())  # collective: the embedding's statistics
         self.metrics.write(record, st.iteration)
         if self.rank == 0:
             line = megatron_log_line(record, args, stats)
@@ -311,12 +311,27 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
 
+    def logs_after(self, iteration: int) -> bool:
+        """Whether a log line follows this iteration."""
+        return iteration % self.args.log_interval == 0 or iteration == self.args.train_iters
+
+    def log_embedding_at_start(self) -> None:
+        """The input embedding's statistics before the first step: the initial weights (iteration
+        0) or those the run resumed with."""
+        st = self.state
+        record = {"iteration": st.iteration, "consumed_samples": st.consumed_samples,
+                  "consumed_tokens": st.consumed_tokens, **self.watch.embedding_record(eager=True)}
+        if "embedding_rms" in record:  # this rank holds the embedding (global rank 0 does)
+            self.metrics.write(record, st.iteration)
+            print_rank_0(start_line(record, self.model_config.embedding, self.model_config.vocab_size))
+
     def run(self) -> int:
         args, st = self.args, self.state
         if st.iteration >= args.train_iters:  # a finished run started again (e.g. requeued): nothing to do
             print_rank_0(f"training done: already at iteration {st.iteration} (--train-iters "
                          f"{args.train_iters}), nothing to do")
             return EXIT_OK
+        self.log_embedding_at_start()
         batches = micro_batches(self.train_ds, st.consumed_samples, args, self.device, self.lev_vocab_size)
         stats = IntervalStats()
         grad_norm = None
@@ -326,6 +341,8 @@ class Trainer:
             lr = self.engine.get_lr()[0]  # the rate this step uses
             if first_step:
                 step_start, compiling_before = time.perf_counter(), _compile_seconds()
+            if self.logs_after(st.iteration + 1):
+                self.watch.arm()  # this step's optimizer records the two families' gradient norms
             loss, distinct = self.train_step(batches)
             if first_step:
                 first_step = False
@@ -337,6 +354,7 @@ class Trainer:
             applied = self.engine.was_step_applied()
             grad_norm = self.engine.get_global_grad_norm()
             grad_norm = float(grad_norm) if grad_norm is not None else None
+            self.watch.count_step(grad_norm, applied)
             loss_value, distinct_sum, stop = self.reduce_step(loss, distinct)
             st.iteration += 1
             st.consumed_samples += args.global_batch_size
@@ -355,7 +373,7 @@ class Trainer:
                 print_rank_0(f"iteration {st.iteration}: non-finite loss ({loss_value}) or gradient "
                              f"norm ({grad_norm}); step skipped ({st.consecutive_skipped} in a row)")
 
-            if st.iteration % args.log_interval == 0 or st.iteration == args.train_iters:
+            if self.logs_after(st.iteration):
                 self.log(stats, lr, grad_norm)
                 stats = IntervalStats()
 
@@ -408,6 +426,7 @@ def megatron_log_line(record: dict, args, stats: IntervalStats) -> str:
              f" lm loss: {record['loss']:.6E} |")
     if record["grad_norm"] is not None:
         line += f" grad norm: {record['grad_norm']:.3f} |"
+    line += log_line_fields(record)
     nan = stats.skipped  # a skipped step is one whose loss or gradient norm was not finite
     return line + (f" number of skipped iterations: {stats.skipped:3d} | number of nan iterations: {nan:3d} |"
                    f" tokens per second: {record['tokens_per_s']:.1f} | mem: {record['memory_gb']:.2f} GB |"
