@@ -1,7 +1,8 @@
 """The input embedding at initialisation, as every run logs it before training starts: the RMS
 of the embeddings of a fixed sample of ids (lev.generator.calibration_ids) and their mean
-pairwise cosine. An N(0, 0.02) table gives RMS 0.02 and cosine about 0; the spec's LEV init
-gives a larger RMS and a shared direction (docs/lev.md, "Initialisation")."""
+pairwise cosine. An N(0, 0.02) table gives RMS 0.02 and cosine about 0, and so does the
+factorised table (its projection is scaled for it: models/layers.FactorizedEmbedding); the
+spec's LEV init gives a larger RMS and a shared direction (docs/lev.md, "Initialisation")."""
 from __future__ import annotations
 
 from typing import Optional
@@ -12,7 +13,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 
 from megatron_lev.lev.generator import calibration_ids
 from megatron_lev.lev.parallel import ParallelLEVEmbedding
-from megatron_lev.models.layers import VocabEmbedding
+from megatron_lev.models.layers import FactorizedEmbedding, VocabEmbedding
 
 
 def embedding_statistics(embeddings: torch.Tensor) -> tuple[float, float]:
@@ -42,7 +43,8 @@ def input_embedding_statistics(embedding: torch.nn.Module, vocab_size: int) -> t
     ids = ids[: len(ids) // tp * tp]  # a sequence-parallel output splits the ids over TP
     device = next(embedding.parameters()).device
     # The plain forward ([b, s] ids -> [s, b, D]), also for the pipeline stage's subclasses.
-    forward = ParallelLEVEmbedding.forward if isinstance(embedding, ParallelLEVEmbedding) else VocabEmbedding.forward
+    forward = next(kind.forward for kind in (ParallelLEVEmbedding, FactorizedEmbedding, VocabEmbedding)
+                   if isinstance(embedding, kind))
     # Eager: compiling LEV's CPU mode product here would move its compile out of the first
     # step, where the log reports it.
     with torch.compiler.set_stance("force_eager"):
@@ -90,7 +92,8 @@ def main(argv=None) -> int:
     print("| config | kind | init | RMS | mean pairwise cosine |\n| --- | --- | --- | --- | --- |")
     for name in args.configs:
         model = load_config(name)["model"]
-        variants = LEV_INIT_VARIANTS if model["embedding"] == "lev" else {"N(0, init_method_std) table": None}
+        plain = "N(0, init_method_std) table" + (", N(0, 1/sqrt(r)) projection" * (model["embedding"] == "factorized"))
+        variants = LEV_INIT_VARIANTS if model["embedding"] == "lev" else {plain: None}
         for label, options in variants.items():
             lev = {**model.get("lev", {}), **(options or {})}
             config = model_config_from_dict({**model, "lev": lev})
