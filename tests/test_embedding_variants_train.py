@@ -1,9 +1,11 @@
 """The issue-42 input sides trained end to end on CPU (gloo, 2 ranks, tiny configs, the
 tiny_dataset fixture; tests/test_train.py's harness): the frozen random input table
-(`tiny-untied --freeze-input-embedding`). Runs resume bit for bit, every parallel layout gives
-the same losses, the frozen table in every checkpoint is bit-identical to its initialisation,
-and `python -m megatron_lev.evaluate` scores the checkpoints (and their Hugging Face exports)
-with the run's own validation loss.
+(`tiny-untied --freeze-input-embedding`) and the factorised one (`--embedding factorized
+--embedding-rank 16`). Runs resume bit for bit, every parallel layout (DP=2 under ZeRO-1/2/3,
+TP=2, PP=2) gives the same losses, the frozen table in every checkpoint is bit-identical to its
+initialisation while the factorised table and projection train, and `python -m
+megatron_lev.evaluate` scores the checkpoints (and their Hugging Face exports) with the run's
+own validation loss.
 
 All 2-rank runs share one launch; each stops after 3 or 6 of a 30-step schedule.
 """
@@ -15,20 +17,21 @@ import torch
 from tests.distributed import run_distributed
 from tests.test_train import LOSS_ATOL, read_metrics, train_flags, train_records
 
-FROZEN = ("--config", "tiny-untied", "--freeze-input-embedding")
-# (run, flags, save): full = 6 steps; resume = 3 steps, stop, --load, 3 more; layouts = 3 steps.
+RANK = 16
+VARIANTS = {"frozen": ("--config", "tiny-untied", "--freeze-input-embedding"),
+            "fact": ("--config", "tiny-untied", "--embedding", "factorized", "--embedding-rank", str(RANK))}
+LAYOUT_FLAGS = {"z2": ("--zero-stage", "2"), "z3": ("--zero-stage", "3"), "tp2": ("--tensor-model-parallel-size", "2"),
+                "pp2": ("--pipeline-model-parallel-size", "2")}
+# Per variant: full = 6 steps (DP=2, ZeRO-1); resume = 3 steps, stop, --load, 3 more; layouts = 3 steps.
 SAVE = ("--save-interval", "3", "--eval-interval", "3")
-RUNS = {
-    "frozen_full": (*FROZEN, "--zero-stage", "1", "--exit-interval", "6"),
-    "frozen_a": (*FROZEN, "--zero-stage", "1", "--exit-interval", "3"),
-    "frozen_b": (*FROZEN, "--zero-stage", "1", "--exit-interval", "6"),
-    "frozen_z2": (*FROZEN, "--zero-stage", "2", "--exit-interval", "3"),
-    "frozen_z3": (*FROZEN, "--zero-stage", "3", "--exit-interval", "3"),
-    "frozen_tp2": (*FROZEN, "--tensor-model-parallel-size", "2", "--exit-interval", "3"),
-    "frozen_pp2": (*FROZEN, "--pipeline-model-parallel-size", "2", "--exit-interval", "3"),
-}
-RESUMED = {"frozen_a": "frozen_b"}  # first half -> second half (one --save directory)
-LAYOUTS = {"frozen_full": ("frozen_z2", "frozen_z3", "frozen_tp2", "frozen_pp2")}
+RUNS = {}
+for _v, _flags in VARIANTS.items():
+    RUNS.update({f"{_v}_full": (*_flags, "--zero-stage", "1", "--exit-interval", "6"),
+                 f"{_v}_a": (*_flags, "--zero-stage", "1", "--exit-interval", "3"),
+                 f"{_v}_b": (*_flags, "--zero-stage", "1", "--exit-interval", "6")})
+    RUNS.update({f"{_v}_{layout}": (*_flags, *flags, "--exit-interval", "3") for layout, flags in LAYOUT_FLAGS.items()})
+RESUMED = {f"{v}_a": f"{v}_b" for v in VARIANTS}  # first half -> second half (one --save directory)
+LAYOUTS = {f"{v}_full": tuple(f"{v}_{layout}" for layout in LAYOUT_FLAGS) for v in VARIANTS}
 
 
 def _save_dir(work: str, run: str) -> str:
@@ -73,7 +76,7 @@ def test_resume_is_exact(runs):
 
 def test_parallel_layouts_give_the_same_losses(runs):
     """ZeRO-2, ZeRO-3 and TP=2 / PP=2 (DP=1) give the losses and grad norms of DP=2 under ZeRO-1
-    (the same global batch and seed); the grad norm counts the frozen table nowhere."""
+    (the same global batch and seed)."""
     for reference, layouts in LAYOUTS.items():
         ref = train_records(runs, reference)
         for name in layouts:
@@ -104,7 +107,7 @@ def test_frozen_table_in_every_checkpoint_is_its_initialisation(runs):
     from megatron_lev.checkpointing.convert import load_checkpoint_full
 
     init = run_distributed(_initial_weights, world_size=1, args=(_save_dir(runs, "frozen_full"),))[0]
-    for name in ("frozen_full", "frozen_z2", "frozen_z3", "frozen_tp2", "frozen_pp2"):
+    for name in ("frozen_full", *LAYOUTS["frozen_full"]):
         full, info = load_checkpoint_full(_save_dir(runs, name))
         assert info.iteration == (6 if name == "frozen_full" else 3), name
         assert info.model_section["freeze_input_embedding"] is True
@@ -112,27 +115,55 @@ def test_frozen_table_in_every_checkpoint_is_its_initialisation(runs):
         assert not torch.equal(full["output_layer.weight"], init["output_layer.weight"]), name
 
 
+def test_factorized_checkpoints_hold_the_trained_table_and_projection(runs):
+    """Each layout's checkpoint reads back (the V x r table merged over TP and unpadded, the
+    projection identical on both TP ranks, as a replicated parameter must be) as the factorised
+    model of the config; both matrices moved from their initialisation."""
+    from megatron_lev.checkpointing.convert import load_checkpoint_full
+
+    init = run_distributed(_initial_weights, world_size=1, args=(_save_dir(runs, "fact_full"),))[0]
+    assert init["embedding.weight"].shape == (1000, RANK) and init["embedding.projection.weight"].shape == (64, RANK)
+    for name in ("fact_full", *LAYOUTS["fact_full"]):
+        full, info = load_checkpoint_full(_save_dir(runs, name))
+        assert (info.model_section["embedding"], info.model_section["embedding_rank"]) == ("factorized", RANK)
+        assert full.keys() == init.keys(), name
+        for key in ("embedding.weight", "embedding.projection.weight", "output_layer.weight"):
+            assert full[key].shape == init[key].shape and not torch.equal(full[key], init[key]), (name, key)
+
+
 def test_evaluate_and_hugging_face_export(runs, tmp_path):
-    """megatron_lev.evaluate scores the frozen model's checkpoint with its own validation loss (the
-    same first 8 x 64 validation tokens), and its Hugging Face export, an untied LlamaForCausalLM,
-    with the same perplexity."""
+    """megatron_lev.evaluate scores each variant's checkpoint with its own validation loss (the same
+    first 8 x 64 validation tokens), and its Hugging Face export, an untied LlamaForCausalLM (the
+    factorised one materialised: table x projection), with the same perplexity. The factorised
+    checkpoint without --materialize-embeddings is refused before anything is written."""
     import json
 
     from megatron_lev import evaluate
     from megatron_lev.hf.export import export_checkpoint
+    from megatron_lev.utils.errors import ExportError
 
-    save = _save_dir(runs, "frozen_full")
-    hf = export_checkpoint(save, str(tmp_path / "hf"), dtype="fp32")
-    with open(os.path.join(hf, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
-    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is False
-    assert config["megatron_lev_model"]["embedding"] == "untied"
-    assert config["megatron_lev_model"]["freeze_input_embedding"] is True
-    result = evaluate.main(["--model", f"frozen={save}", "--model", f"hf={hf}", "--eval-tokens", str(8 * 64),
-                            "--device", "cpu", "--output-dir", str(tmp_path / "eval")])
-    (valid,) = [r["valid_loss"] for r in read_metrics(runs, "frozen_full") if r.get("iteration") == 6
-                and "valid_loss" in r]
-    frozen = result["models"]["frozen"]
-    assert frozen["embedding"] == "untied" and frozen["iteration"] == 6 and frozen["tokens"] == 8 * 64
-    assert frozen["loss"] == pytest.approx(valid, abs=1e-5)
-    assert result["models"]["hf"]["ppl"] == pytest.approx(frozen["ppl"], rel=1e-4)
+    saves = {v: _save_dir(runs, f"{v}_full") for v in VARIANTS}
+    with pytest.raises(ExportError, match=r"^embedding: factorized: no transformers architecture has a factorised "
+                                          r"input side .* export with --materialize-embeddings"):
+        export_checkpoint(saves["fact"], str(tmp_path / "refused"))
+    assert not (tmp_path / "refused").exists()
+    models = []
+    for variant, save in saves.items():
+        hf = export_checkpoint(save, str(tmp_path / f"hf_{variant}"), dtype="fp32", materialize=variant == "fact")
+        with open(os.path.join(hf, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is False
+        section = config["megatron_lev_model"]
+        assert (section["embedding"], section["embedding_rank"]) == ("untied", None)
+        assert section["freeze_input_embedding"] is (variant == "frozen")
+        models += ["--model", f"{variant}={save}", "--model", f"{variant}_hf={hf}"]
+    result = evaluate.main([*models, "--eval-tokens", str(8 * 64), "--device", "cpu",
+                            "--output-dir", str(tmp_path / "eval")])
+    for variant in VARIANTS:
+        (valid,) = [r["valid_loss"] for r in read_metrics(runs, f"{variant}_full") if r.get("iteration") == 6
+                    and "valid_loss" in r]
+        scored = result["models"][variant]
+        assert scored["embedding"] == ("untied" if variant == "frozen" else "factorized")
+        assert scored["iteration"] == 6 and scored["tokens"] == 8 * 64
+        assert scored["loss"] == pytest.approx(valid, abs=1e-5), variant
+        assert result["models"][f"{variant}_hf"]["ppl"] == pytest.approx(scored["ppl"], rel=1e-4), variant

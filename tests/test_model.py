@@ -259,7 +259,8 @@ def test_papers_vocabulary_family_overhead_and_isoparametric_depths():
     ({"num_layers": 2}, {"pipeline_model_parallel_size": 4},
      r"num_layers \(2\) must be at least --pipeline-model-parallel-size \(4\)"),
     ({"num_query_groups": 3}, {}, r"num_query_groups \(3, the kv heads\) must divide num_attention_heads \(4\)"),
-    ({"embedding": "shared"}, {}, r"embedding: unknown embedding kind 'shared' \(expected one of lev, tied, untied\)"),
+    ({"embedding": "shared"}, {},
+     r"embedding: unknown embedding kind 'shared' \(expected one of lev, tied, untied, factorized\)"),
     ({"num_heads": 4}, {}, r"model.num_heads: unknown model field"),
     ({"lev": {"num_heads": 3}}, {"tensor_model_parallel_size": 2}, r"LEVConfig.num_heads=3 must be divisible"),
 ])

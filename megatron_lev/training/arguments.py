@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         if setting.type is bool:
             g.add_argument(setting.flag, dest=setting.field, action=argparse.BooleanOptionalAction)
         else:
-            g.add_argument(setting.flag, dest=setting.field, type=setting.type)
+            g.add_argument(setting.flag, dest=setting.field, type=setting.type, choices=setting.choices)
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", help="prefix, or a Megatron blend: 0.3 pathA 0.7 pathB")
@@ -534,6 +534,7 @@ def summarize_config(cfg: dict, full_path: str) -> str:
     lines = [
         f"config {cfg['config']}: {m.get('embedding')} model"
         + (" (input table frozen)" if m.get("freeze_input_embedding") else "")
+        + (f" (rank {m.get('embedding_rank')})" if m.get("embedding") == "factorized" else "")
         + f", {m.get('num_layers')} layers x {m.get('hidden_size')}, "
         f"vocab {m['vocab_size']} (padded {padded})",
         f"parallel: TP {t['tensor_model_parallel_size']} x PP {t['pipeline_model_parallel_size']} x DP "

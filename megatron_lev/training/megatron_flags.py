@@ -17,7 +17,7 @@ TRAIN_IGNORED = {
     "--position-embedding-type": (1, "always RoPE (--rotary-base sets its base)", ("rope",)),
     "--no-position-embedding": (0, "RoPE needs no position table"),
     "--max-position-embeddings": (1, "RoPE has no position table; --seq-length sets the length"),
-    "--untie-embeddings-and-output-weights": (0, "the config's model.embedding (lev / tied / untied) decides"),
+    "--untie-embeddings-and-output-weights": (0, "the config's model.embedding (lev / tied / untied / factorized) decides"),
     "--group-query-attention": (0, "--num-query-groups decides"),
     "--use-flash-attn": (0, "attention runs through torch SDPA, which picks flash attention on GPUs"),
     "--attention-backend": (1, "attention runs through torch SDPA"),
@@ -88,6 +88,6 @@ SUPPORTED_NOTES = {
 # Flags of megatron_lev.train that Megatron-LM does not have.
 TRAIN_OWN_FLAGS = ("--config", "--zero-stage", "--train-tokens", "--keep-last-checkpoints", "--metrics-file",
                    "--gpu-type", "--peak-tflops", "--max-skipped-steps", "--embedding",
-                   "--freeze-input-embedding", "--compile-layers",
+                   "--freeze-input-embedding", "--embedding-rank", "--compile-layers",
                    "--override-checkpoint-args", "--trust-remote-code", "--lev-lr-mult", "--lev-clip-grad",
                    "--lev-no-weight-decay")
