@@ -301,7 +301,8 @@ def test_sigterm_checkpoints_and_exits_zero(tiny_dataset, spm_tokenizer, tmp_pat
                            r"\| elapsed time per iteration \(ms\): [\d.]+ \| learning rate: (\S+) \| global batch size: +8 "
                            r"\| lm loss: (\S+) \| grad norm: [\d.]+ \| embedding grad norm: [\d.]+ \| body grad norm: [\d.]+ "
                            r"\| clipped: (?:0|100)\.0% \| embedding RMS: [\d.]+ \| embedding cosine: -?[\d.]+ \| "
-                           r"embedding eff\. rank: [\d.]+ \| number of skipped iterations: +0 \| number of nan "
+                           r"embedding eff\. rank: [\d.]+ \| rank time \(ms\) min/max: [\d.]+ \(rank [01]\) / [\d.]+ "
+                           r"\(rank [01], \S+\) \| number of skipped iterations: +0 \| number of nan "
                            r"iterations: +0 \| tokens per second: [\d.]+ \| mem: [\d.]+ GB \| ETA: (?:\d+ days?, )?\d+:\d\d:\d\d \|"
                            r"( time to first step \(s\): [\d.]+ \|)?", line)
               for line in out.splitlines() if "] iteration " in line]

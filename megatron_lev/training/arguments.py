@@ -98,6 +98,8 @@ TRAINING_DEFAULTS = {
     "zero_stage": None,
     "log_interval": 100,
     "log_throughput": False,
+    "timing_log_level": 0,
+    "timing_log_option": "minmax",
     "logging_level": None,
     "tensorboard_dir": None,
     "metrics_file": None,
@@ -235,6 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, help="global batches per evaluation")
     g.add_argument("--log-interval", type=int)
     g.add_argument("--log-throughput", action="store_true", help="add TFLOP/s per GPU (and MFU) to the log line")
+    g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2),
+                   help="0: the iteration time only; 1: also forward-backward, all-grads-sync, optimizer; 2: also "
+                        "batch-generator, forward-compute, backward-compute (per iteration, after each log line)")
+    g.add_argument("--timing-log-option", choices=("max", "minmax", "all"),
+                   help="report the timers' max over ranks, their min and max (default) or every rank's")
     g.add_argument("--logging-level", type=int,
                    help="Python logging level (10 debug, 20 info; default: loggers' own, DeepSpeed's WARNING); 10 "
                    "also shows the third-party start-up chatter a run hides (DeepSpeed's memory dumps, megatron-core "

@@ -61,13 +61,14 @@ def counted_in_norm(param: torch.nn.Parameter) -> bool:
 
 
 def family_squared_norms(families: dict[str, list], device) -> torch.Tensor:
-    """[sum of squares of each family's local fragments], float64, on `device` (not reduced)."""
+    """[sum of squares of each family's local fragments], float64, on `device` (not reduced).
+    torch's own fused norm over each family's list (`get_total_norm`, as clip_grad_norm_)."""
     sums = torch.zeros(len(families), dtype=torch.float64, device=device)
     for i, params in enumerate(families.values()):
-        for param in params:
-            grad = local_gradient_fragment(param) if counted_in_norm(param) else None
-            if grad is not None and grad.numel():
-                sums[i] += grad.float().pow(2).sum().double()
+        grads = [g.float() for g in (local_gradient_fragment(p) for p in params if counted_in_norm(p))
+                 if g is not None and g.numel()]
+        if grads:
+            sums[i] = torch.nn.utils.get_total_norm(grads).double().pow(2)
     return sums
 
 
