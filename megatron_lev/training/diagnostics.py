@@ -62,13 +62,14 @@ def counted_in_norm(param: torch.nn.Parameter) -> bool:
 
 def family_squared_norms(families: dict[str, list], device) -> torch.Tensor:
     """[sum of squares of each family's local fragments], float64, on `device` (not reduced).
-    torch's own fused norm over each family's list (`get_total_norm`, as clip_grad_norm_)."""
+    One fused norm per fragment (no squared copy: 5 ms instead of 230 ms for the demo model on a
+    loaded CPU), their squares summed in float64."""
     sums = torch.zeros(len(families), dtype=torch.float64, device=device)
     for i, params in enumerate(families.values()):
-        grads = [g.float() for g in (local_gradient_fragment(p) for p in params if counted_in_norm(p))
-                 if g is not None and g.numel()]
-        if grads:
-            sums[i] = torch.nn.utils.get_total_norm(grads).double().pow(2)
+        for param in params:
+            grad = local_gradient_fragment(param) if counted_in_norm(param) else None
+            if grad is not None and grad.numel():
+                sums[i] += torch.linalg.vector_norm(grad, dtype=torch.float32).double().pow(2)
     return sums
 
 
