@@ -30,7 +30,7 @@ import tempfile
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train import environment, print_json  # noqa: E402
+from bench_train import environment, finish_report  # noqa: E402
 
 BATCH_GENERATOR = re.compile(r"    batch-generator \.+: \(([\d.]+), ([\d.]+)\)")
 
@@ -108,10 +108,7 @@ def main(argv=None) -> dict:
                         for w, v in report["workers"].items() if w != str(args.workers[0])}
     report["ratios_of_fastest_step"] = {f"workers_{w}_over_{args.workers[0]}": v["step_time_s_min"] / base["step_time_s_min"]
                                         for w, v in report["workers"].items() if w != str(args.workers[0])}
-    if device.type == "cpu":
-        report["environment"]["load_average_1m_end"] = os.getloadavg()[0]
-    print_json(report, args.output)
-    return report
+    return finish_report(report, device, args.output)
 
 
 if __name__ == "__main__":

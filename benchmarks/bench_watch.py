@@ -34,7 +34,8 @@ if not torch.cuda.is_available():  # before DeepSpeed is imported: its CPU accel
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train import SIZES, as_inputs, environment, print_json, start_process_group, trainer_argv, zipf_batches  # noqa: E402
+from bench_train import (SIZES, as_inputs, environment, finish_report, start_process_group,  # noqa: E402
+                         trainer_argv, zipf_batches)
 
 KINDS = ("lev", "tied", "untied")
 GLOBAL_BATCH = 16  # the demo's: two micro-batches of 8 per step on one rank
@@ -135,10 +136,7 @@ def main(argv=None) -> dict:
             print(f"[{kind}] step {1000 * report['kinds'][kind]['step_s_median']:.1f} ms, diagnostics "
                   f"{1000 * report['kinds'][kind]['diagnostics_s_per_log']:.2f} ms per log line", file=sys.stderr)
     report["max_ratio_per_logged_step"] = max(k["ratio_per_logged_step"] for k in report["kinds"].values())
-    if device.type == "cpu":
-        report["environment"]["load_average_1m_end"] = os.getloadavg()[0]
-    print_json(report, args.output)
-    return report
+    return finish_report(report, device, args.output)
 
 
 if __name__ == "__main__":
