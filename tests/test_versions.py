@@ -14,7 +14,7 @@ def test_the_warning_names_each_untested_version():
     assert untested_versions_warning({"megatron-core": None, "deepspeed": "0.19.8"}) is None  # not installed
     assert untested_versions_warning({"megatron-core": "0.17.0", "deepspeed": "0.19.8"}) == (
         "megatron_lev: warning: untested megatron-core 0.17.0 (tested: 0.16.1); the test suite ran on these "
-        "tested versions only (docs/cluster.md, \"Versions\")")
+        "tested versions only (docs/cluster.md, \"1. The environment (login node, once)\")")
     line = untested_versions_warning({"megatron-core": "0.19.0", "deepspeed": "0.19.9"})
     assert "untested megatron-core 0.19.0 (tested: 0.16.1) and deepspeed 0.19.9 (tested: 0.19.8);" in line
     assert "\n" not in line

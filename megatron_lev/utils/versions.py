@@ -6,7 +6,7 @@ these versions alone: a cluster's image or a Python 3.12 environment may come wi
 megatron-core (0.17 onwards needs Python 3.12), and an environment that must keep its own
 copy should still install and run, told once what was not tested, rather than be refused by pip.
 Where the suite runs (.ci/run on CPU; benchmarks/gpu_check.sh on the GPU machines):
-megatron-core 0.16.1 and DeepSpeed 0.19.8 (docs/cluster.md, "Versions").
+megatron-core 0.16.1 and DeepSpeed 0.19.8 (docs/cluster.md, "1. The environment (login node, once)").
 """
 from __future__ import annotations
 
@@ -36,4 +36,4 @@ def untested_versions_warning(installed: Optional[dict] = None) -> Optional[str]
     if not untested:
         return None
     return (f"megatron_lev: warning: untested {' and '.join(untested)}; the test suite ran on these tested "
-            f"versions only (docs/cluster.md, \"Versions\")")
+            f"versions only (docs/cluster.md, \"1. The environment (login node, once)\")")
