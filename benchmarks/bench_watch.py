@@ -12,6 +12,8 @@ builds it (ZeRO-1). Timed, with the medians over `--repeats`:
     family_grad_norms     the two families' gradient norms (training/diagnostics.py), read where the
                           optimizer holds the reduced gradients, and their all-reduce
     embedding_statistics  the input embedding's RMS, cosine and effective rank over its 512 fixed ids
+    straggler_report      the gather of every rank's timers for the straggler report (training/timers.py;
+                          the timers themselves run in every timed step, as in the trainer)
 
 The diagnostics run once per log interval: `ratio_per_logged_step` is their sum over one step's
 time (the cost at --log-interval 1), `ratio_at_log_interval_10` the same spread over 10 steps.
@@ -32,7 +34,8 @@ if not torch.cuda.is_available():  # before DeepSpeed is imported: its CPU accel
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train import SIZES, as_inputs, environment, print_json, start_process_group, trainer_argv, zipf_batches  # noqa: E402
+from bench_train import (SIZES, as_inputs, environment, finish_report, start_process_group,  # noqa: E402
+                         trainer_argv, zipf_batches)
 
 KINDS = ("lev", "tied", "untied")
 GLOBAL_BATCH = 16  # the demo's: two micro-batches of 8 per step on one rank
@@ -61,6 +64,7 @@ def timed(fn) -> float:
 def bench_kind(kind: str, repeats: int, device) -> dict:
     from megatron_lev.training.batches import model_inputs
     from megatron_lev.training.diagnostics import EmbeddingWatch
+    from megatron_lev.training.timers import STEP, StepTimers
 
     args, config, engine = build_engine_for(kind)
     try:
@@ -79,9 +83,15 @@ def bench_kind(kind: str, repeats: int, device) -> dict:
             return norms
 
         watch._reduce_family_norms = timed_family_norms
+        timers = StepTimers(device)  # --timing-log-level 0, the default
+        timers.install(engine)
 
         def step(i: int) -> None:
             engine.train()
+            with timers(STEP).timing():
+                micro_batches(i)
+
+        def micro_batches(i: int) -> None:
             for j in range(accumulation):
                 b = batches[(i * accumulation + j) % len(batches)]
                 loss = engine(b["tokens"], **model_inputs(b))
@@ -89,15 +99,17 @@ def bench_kind(kind: str, repeats: int, device) -> dict:
                 engine.step()
 
         step(0)  # warm-up: the first step allocates Adam's moments
-        steps, embedding = [], []
+        steps, embedding, stragglers = [], [], []
         for i in range(1, repeats + 1):
             steps.append(timed(lambda: step(i)))
             watch.arm()
             step(i)  # an armed step: its family-norm work is timed inside
             embedding.append(timed(watch.embedding_record))
+            stragglers.append(timed(lambda: timers.report(2)))
         step_s = statistics.median(steps)
         parts = {"family_grad_norms": statistics.median(family_times),
-                 "embedding_statistics": statistics.median(embedding)}
+                 "embedding_statistics": statistics.median(embedding),
+                 "straggler_report": statistics.median(stragglers)}
         per_log = sum(parts.values())
         return {"step_s_median": step_s, "step_s_min": min(steps), "diagnostics_s_median": parts,
                 "diagnostics_s_per_log": per_log, "ratio_per_logged_step": per_log / step_s,
@@ -124,10 +136,7 @@ def main(argv=None) -> dict:
             print(f"[{kind}] step {1000 * report['kinds'][kind]['step_s_median']:.1f} ms, diagnostics "
                   f"{1000 * report['kinds'][kind]['diagnostics_s_per_log']:.2f} ms per log line", file=sys.stderr)
     report["max_ratio_per_logged_step"] = max(k["ratio_per_logged_step"] for k in report["kinds"].values())
-    if device.type == "cpu":
-        report["environment"]["load_average_1m_end"] = os.getloadavg()[0]
-    print_json(report, args.output)
-    return report
+    return finish_report(report, device, args.output)
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ TRAINING_DEFAULTS = {
     "tokenizer_model": None,
     "vocab_file": None,
     "merge_file": None,
-    "num_workers": 0,
+    "num_workers": None,  # validate_args: 2 where CUDA is (Megatron-LM's default), 0 on CPU
     "save": None,
     "load": None,
     "save_interval": None,
@@ -99,6 +99,8 @@ TRAINING_DEFAULTS = {
     "zero_stage": None,
     "log_interval": 100,
     "log_throughput": False,
+    "timing_log_level": 0,
+    "timing_log_option": "minmax",
     "logging_level": None,
     "tensorboard_dir": None,
     "metrics_file": None,
@@ -213,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-model", help="SentencePiece .model, or a Hugging Face tokenizer.json or folder")
     g.add_argument("--vocab-file", help="GPT2BPETokenizer: GPT-2's vocab.json (e.g. gpt2-vocab.json)")
     g.add_argument("--merge-file", help="GPT2BPETokenizer: GPT-2's merges.txt (e.g. gpt2-merges.txt)")
-    g.add_argument("--num-workers", type=int, help="data-loader worker processes per rank")
+    g.add_argument("--num-workers", type=int, help="data-loader worker processes per rank (default 2 with CUDA, "
+                   "0 on CPU)")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
     g.add_argument("--reset-position-ids", action="store_true",
                    help="position ids restart after each end-of-document token")
@@ -239,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, help="global batches per evaluation")
     g.add_argument("--log-interval", type=int)
     g.add_argument("--log-throughput", action="store_true", help="add TFLOP/s per GPU (and MFU) to the log line")
+    g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2),
+                   help="0: the iteration time only; 1: also forward-backward, all-grads-sync, optimizer; 2: also "
+                        "batch-generator, forward-compute, backward-compute (per iteration, after each log line)")
+    g.add_argument("--timing-log-option", choices=("max", "minmax", "all"),
+                   help="report the timers' max over ranks, their min and max (default) or every rank's")
     g.add_argument("--logging-level", type=int,
                    help="Python logging level (10 debug, 20 info; default: loggers' own, DeepSpeed's WARNING); 10 "
                    "also shows the third-party start-up chatter a run hides (DeepSpeed's memory dumps, megatron-core "
@@ -340,6 +348,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         value = getattr(args, dest)
         if value is not None and value < 1:
             raise ConfigError(f"{_dest_to_flag(dest)} must be >= 1, got {value}")
+
+    if args.num_workers is None:  # on CPU, worker processes would take the cores the training computes on
+        import torch
+
+        args.num_workers = 2 if torch.cuda.is_available() else 0
+    elif args.num_workers < 0:
+        raise ConfigError(f"--num-workers must be >= 0, got {args.num_workers}")
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp) != 0:

@@ -33,6 +33,7 @@ from megatron_lev.training.diagnostics import EmbeddingWatch, log_line_fields, s
 from megatron_lev.training.engine import build_engine, poison_nonfinite
 from megatron_lev.training.flops import flops_model, peak_flops_per_device, training_flops
 from megatron_lev.training.metrics import MetricsWriter
+from megatron_lev.training.timers import STEP, StepTimers, straggler_line_fields
 from megatron_lev.training.validation import Run, check_resume
 
 EXIT_OK, EXIT_SKIPPED_STEPS, EXIT_CONFIG = 0, 1, 2
@@ -122,6 +123,8 @@ class Trainer:
             ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
         self.engine = build_engine(args, model_config, ds_config)
         self.watch = EmbeddingWatch(self.engine, model_config.vocab_size, args.clip_grad, self.device)
+        self.timers = StepTimers(self.device, args.timing_log_level, args.timing_log_option)
+        self.timers.install(self.engine)
         self.is_pipeline = args.pipeline_model_parallel_size > 1
         self.dp_group = parallel_state.get_data_parallel_group()
         # Only one rank per DP replica contributes to sums over the world.
@@ -176,20 +179,26 @@ class Trainer:
         """One optimizer step over gradient_accumulation_steps micro-batches.
 
         Returns (this rank's mean micro-batch loss, distinct ids seen by this rank)."""
-        engine = self.engine
-        if self.is_pipeline:
+        engine, timers = self.engine, self.timers
+        if self.is_pipeline:  # the schedule's instructions are timed inside (timers.install)
             pipe_batches = PipelineBatches(batches)
-            loss = engine.train_batch(data_iter=pipe_batches)
+            with timers("forward-backward").timing():
+                loss = engine.train_batch(data_iter=pipe_batches)
             return loss.detach().float(), pipe_batches.distinct
         engine.train()
         losses, distinct = [], 0
         for _ in range(self.args.gradient_accumulation_steps):
-            b = next(batches)
-            if self.count_distinct:
-                distinct += distinct_count(b)
-            loss = engine(b["tokens"], **model_inputs(b))
-            engine.backward(poison_nonfinite(loss))
-            engine.step()
+            with timers("forward-backward").timing():
+                with timers("batch-generator").timing():
+                    b = next(batches)
+                if self.count_distinct:
+                    distinct += distinct_count(b)
+                with timers("forward-compute").timing():
+                    loss = engine(b["tokens"], **model_inputs(b))
+                with timers("backward-compute").timing():
+                    engine.backward(poison_nonfinite(loss))
+            with timers("optimizer").timing():
+                engine.step()
             losses.append(loss.detach().float())
         return torch.stack(losses).mean(), distinct
 
@@ -301,12 +310,14 @@ class Trainer:
             "skipped_in_interval": stats.skipped,
         }
         record.update(self.watch.interval_record())  # collective: the embedding's statistics
+        stragglers, timers_block = self.timers.report(stats.iterations)  # collective: every rank's times
+        record.update(stragglers.record())
         self.metrics.write(record, st.iteration)
         if self.rank == 0:
             line = megatron_log_line(record, args, stats)
             if self.time_to_first_step is not None:  # the run's first log line
                 line += f" time to first step (s): {self.time_to_first_step:.1f} |"
-            print(line, flush=True)
+            print(line + (f"\n{timers_block}" if timers_block else ""), flush=True)
         self.time_to_first_step = None
 
     # ------------------------------------------------------------------ the loop
@@ -343,7 +354,8 @@ class Trainer:
                 step_start, compiling_before = time.perf_counter(), _compile_seconds()
             if self.logs_after(st.iteration + 1):
                 self.watch.arm()  # this step's optimizer records the two families' gradient norms
-            loss, distinct = self.train_step(batches)
+            with self.timers(STEP).timing():
+                loss, distinct = self.train_step(batches)
             if first_step:
                 first_step = False
                 if self.startup is not None:
@@ -426,7 +438,7 @@ def megatron_log_line(record: dict, args, stats: IntervalStats) -> str:
              f" lm loss: {record['loss']:.6E} |")
     if record["grad_norm"] is not None:
         line += f" grad norm: {record['grad_norm']:.3f} |"
-    line += log_line_fields(record)
+    line += log_line_fields(record) + straggler_line_fields(record)
     nan = stats.skipped  # a skipped step is one whose loss or gradient norm was not finite
     return line + (f" number of skipped iterations: {stats.skipped:3d} | number of nan iterations: {nan:3d} |"
                    f" tokens per second: {record['tokens_per_s']:.1f} | mem: {record['memory_gb']:.2f} GB |"

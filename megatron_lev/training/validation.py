@@ -32,6 +32,7 @@ from megatron_lev.training.tokenizer_args import derive_vocab_size, padded_vocab
 from megatron_lev.training.batches import dataset_arguments
 from megatron_lev.training.optim import schedule_mismatch
 from megatron_lev.utils.errors import ConfigError
+from megatron_lev.utils.versions import untested_versions_warning
 
 DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 
@@ -54,6 +55,9 @@ def validate_run(argv=None, world_size: int = 1, rank: int = 0) -> Run:
     as one line naming the flag, file or field. Warnings (rank 0) go to stderr."""
     args, ds_config = validate_flags(argv, world_size)
     check_deepspeed_version(ds_config, args.deepspeed_config_path)
+    untested = untested_versions_warning()
+    if untested and rank == 0:
+        print(untested, file=sys.stderr, flush=True)
     plan = plan_datasets(**dataset_arguments(args))
     prefixes = data_prefixes(args, plan)
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
