@@ -158,8 +158,11 @@ def run_case(name: str) -> dict:
                 base.pop(key, None)
             else:
                 base[key] = str(value).replace("{TMP}", str(tmp)).replace("{REPO}", str(REPO))
-        proc = subprocess.run(["bash", str(SLURM / script)], env=script_env(**base), cwd=REPO, capture_output=True,
-                              text=True, timeout=120)
+        env = script_env(**base)
+        if "PYTHONPATH" not in variables:  # the dry run shows it: only the repository, as recorded
+            env.pop("PYTHONPATH", None)
+        proc = subprocess.run(["bash", str(SLURM / script)], env=env, cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
 
         def normal(text: str) -> str:
             return _STAMP.sub("[slurm TIME]", text.replace(str(tmp), "{TMP}").replace(str(REPO), "{REPO}"))
