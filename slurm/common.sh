@@ -151,17 +151,24 @@ launch_training() {
     # variables below; exports the tasks' variables.
     srun_cmd=() JOB_ID=0 TORCHRUN_USR1=1 launch_plan="" launch_resumed_from=""
     launcher plan
-    rc=0
-    if ((REQUEUE == 0 && TERMINATED == 0)); then  # a signal may arrive before the launch
-        run_step "${srun_cmd[@]}"
-    fi
-    # Requeue, or the job's exit status (megatron_lev/launcher/steps.py).
-    launch_action="" launch_exit=1
-    launcher after-step --plan "$launch_plan" --rc "$rc" --requeue "$REQUEUE" --terminated "$TERMINATED" \
-        --resumed-from "$launch_resumed_from"
-    if [[ $launch_action == requeue ]]; then
-        scontrol requeue "$JOB_ID"
-        exit 0
-    fi
-    exit "$launch_exit"
+    local attempt=0
+    while :; do
+        rc=0
+        if ((REQUEUE == 0 && TERMINATED == 0)); then  # a signal may arrive before the launch
+            run_step "${srun_cmd[@]}"
+        fi
+        # Restart the step in this allocation (a crash: a new srun_cmd and launch_resumed_from
+        # are handed back), requeue, or the job's exit status (megatron_lev/launcher/steps.py).
+        launch_action="" launch_exit=1
+        launcher after-step --plan "$launch_plan" --attempt "$attempt" --rc "$rc" --requeue "$REQUEUE" \
+            --terminated "$TERMINATED" --resumed-from "$launch_resumed_from"
+        case $launch_action in
+            restart) attempt=$((attempt + 1)) ;;  # a signal meanwhile: the next round decides on it
+            requeue)
+                scontrol requeue "$JOB_ID"
+                exit 0
+                ;;
+            *) exit "$launch_exit" ;;
+        esac
+    done
 }

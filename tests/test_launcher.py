@@ -14,7 +14,7 @@ from megatron_lev.launcher.batch import choose_micro_batch, nearest_valid
 from megatron_lev.launcher.shell import LaunchError, bash_quote, print_cmd
 from megatron_lev.launcher.steps import LaunchLog, StepPlan, after_step
 from megatron_lev.launcher.training import normalized_arch_list
-from tests.slurm_dry_runs import CASES, load_golden, run_case
+from tests.slurm_dry_runs import CASES, expected, load_golden, run_case
 from tests.test_slurm import REPO, SLURM, script_env
 
 GOLDEN = load_golden()
@@ -23,8 +23,9 @@ GOLDEN = load_golden()
 @pytest.mark.parametrize("name", list(CASES))
 def test_dry_runs_and_refusals_are_the_bash_launchers(name):
     """Every recorded combination: the same stdout (environment, batch line, srun and torchrun
-    commands, byte for byte), the same one-line refusal, the same exit status."""
-    assert run_case(name) == GOLDEN[name]
+    commands, byte for byte), the same one-line refusal, the same exit status; only the lines issue
+    43 adds on purpose are new (slurm_dry_runs.expected)."""
+    assert run_case(name) == expected(name, GOLDEN)
 
 
 @pytest.mark.parametrize("value", ["plain", "", "a b", "it's", "'", "tab\there", "new\nline", "bell\a\x01",
@@ -120,20 +121,25 @@ def test_plan_hands_the_commands_and_the_tasks_environment_to_the_shell(tmp_path
     assert "TORCH_CUDA_ARCH_LIST=9.0" in proc.stdout.splitlines() and "->" not in proc.stdout
 
 
-def _plan(tmp_path, restart=0, max_requeues=50) -> StepPlan:
+def _plan(tmp_path, restart=0, max_requeues=50, max_restarts=3) -> StepPlan:
     (tmp_path / "logs").mkdir(exist_ok=True)
     (tmp_path / "ckpt").mkdir(exist_ok=True)
     return StepPlan(job_id=77, restart=restart, job_log_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path / "ckpt"),
-                    max_requeues=max_requeues, srun_cmd=["srun", "x"], started_from="iter_0000010")
+                    max_requeues=max_requeues, max_restarts=max_restarts, started_from="iter_0000010",
+                    srun_cmd=["srun", "--nodes", "2", "--output", f"{tmp_path}/logs/restart{restart}-node%n.log", "torchrun"])
 
 
-def _decide(tmp_path, plan, *, rc, requeue=False, terminated=False, latest="iter_0000010", node_log=""):
+def _decide(tmp_path, plan, *, rc, requeue=False, terminated=False, latest="iter_0000010", node_log="", attempt=0,
+            resumed_from="iter_0000010", srun=False):
     (tmp_path / "ckpt" / "latest").write_text(latest + "\n")
-    (tmp_path / "logs" / f"restart{plan.restart}-node0.log").write_text(node_log)
-    decision = after_step(plan, rc, requeue, terminated, "iter_0000010", LaunchLog(plan.job_log_dir))
+    for path in (tmp_path / "logs").glob("restart*.log"):
+        path.unlink()
+    name = f"restart{plan.restart}{f'-attempt{attempt}' if attempt else ''}-node1.log"
+    (tmp_path / "logs" / name).write_text(node_log)
+    decision = after_step(plan, rc, requeue, terminated, resumed_from, attempt, LaunchLog(plan.job_log_dir))
     lines = [l.split("] ", 1)[1] for l in (tmp_path / "logs" / "launch.log").read_text().splitlines()]
     (tmp_path / "logs" / "launch.log").unlink()
-    return decision.action, decision.exit_code, lines
+    return (decision.action, decision.exit_code, lines) + ((list(decision.srun_cmd),) if srun else ())
 
 
 def test_decisions_after_a_step(tmp_path):
@@ -160,3 +166,44 @@ def test_decisions_after_a_step(tmp_path):
     assert (action, code, lines[-1]) == ("exit", 1, "not requeueing: restart 5 reached MAX_REQUEUES=5")
     # No signal: the step's own status.
     assert _decide(tmp_path, plan, rc=0, latest="iter_0000100")[:2] == ("exit", 0)
+
+
+def test_a_failed_step_restarts_in_the_allocation_then_requeues_or_fails(tmp_path):
+    """A crash (no signal, a failure status) restarts the step from `latest` with its own node logs,
+    up to MAX_RESTARTS times; then the job requeues if it got past the checkpoint it started from,
+    else fails. An error the trainer reports itself is not retried."""
+    plan, logs = _plan(tmp_path, restart=2), tmp_path / "logs"
+    action, code, lines, srun = _decide(tmp_path, plan, rc=1, latest="iter_0000015", srun=True)
+    assert (action, srun) == ("restart", ["srun", "--nodes", "2", "--output", f"{logs}/restart2-attempt1-node%n.log",
+                                          "torchrun"])
+    assert lines == ["job step exited with status 1; latest checkpoint: iter_0000015",
+                     "the step failed: restarting the trainers in this allocation from checkpoint iter_0000015 (restart "
+                     f"1 of MAX_RESTARTS=3; node logs {logs}/restart2-attempt1-node*.log)"]
+    action, code, lines, srun = _decide(tmp_path, plan, rc=137, attempt=2, latest="iter_0000020", srun=True)
+    assert (action, srun[4]) == ("restart", f"{logs}/restart2-attempt3-node%n.log")
+    # The trainer's own error (here: a checkpoint that cannot fit) would come back: the job fails.
+    action, code, lines = _decide(tmp_path, plan, rc=1, attempt=1, node_log=(
+        "megatron_lev.train: error: checkpoint iter_0000020 needs 17.3 GB ...\n"))
+    assert (action, code) == ("exit", 1)
+    assert lines[-1] == ("not restarting: the trainer stopped on an error it reports (the line starting "
+                         f"'megatron_lev.train: error:' in {logs}/restart2-attempt1-node*.log), which a restart would "
+                         "meet again")
+    # Restarts used up: progress since the job started (iter 10 -> 25) requeues, none fails it.
+    action, code, lines = _decide(tmp_path, plan, rc=1, attempt=3, latest="iter_0000025")
+    assert (action, lines[-1]) == ("requeue", "MAX_RESTARTS=3 restarts used; the job got from iter_0000010 to "
+                                              "iter_0000025: requeueing job 77")
+    action, code, lines = _decide(tmp_path, plan, rc=1, attempt=3)
+    assert (action, code, lines[-1]) == ("exit", 1, "not restarting: MAX_RESTARTS=3 restarts used, and no checkpoint "
+                                                    "since the job started from iter_0000010: the job fails (see "
+                                                    f"{logs}/restart2-attempt3-node*.log)")
+    action, code, lines = _decide(tmp_path, _plan(tmp_path, restart=2, max_requeues=2), rc=1, attempt=3,
+                                  latest="iter_0000025")
+    assert (action, code, lines[-1]) == ("exit", 1, "MAX_RESTARTS=3 restarts used; the job got from iter_0000010 to "
+                                                    "iter_0000025: not requeueing: restart 2 reached MAX_REQUEUES=2")
+    # MAX_RESTARTS=0: the first failure goes straight to that choice; a status 0 is never restarted.
+    assert _decide(tmp_path, _plan(tmp_path, max_restarts=0), rc=1, latest="iter_0000012")[0] == "requeue"
+    assert _decide(tmp_path, plan, rc=0, latest="iter_0000012")[:2] == ("exit", 0)
+    # A signal during the restarted step: the requeue looks at that attempt's node logs.
+    action, code, lines = _decide(tmp_path, plan, rc=1, requeue=True, attempt=1, latest="iter_0000030",
+                                  resumed_from="iter_0000025", node_log="training done: 30 iterations\n")
+    assert (action, code) == ("exit", 0)

@@ -2,7 +2,8 @@
 
     plan          the training launch from the environment: under DRY_RUN=1 the dry run is printed;
                   otherwise the job's first log lines, and the commands handed back to the shell
-    after-step    the decision once a job step has ended (requeue, or the job's exit status)
+    after-step    the decision once a job step has ended: restart it in the allocation, requeue the
+                  job, or the job's exit status (steps.py)
     pile          slurm/preprocess_pile.sh's array task: its command is run (printed under DRY_RUN)
 
 Lines for the job's output go to stdout; what the batch shell must evaluate (exports, the srun
@@ -57,7 +58,7 @@ def plan(env: dict) -> int:
                   "trainers 30 s later, so a checkpoint must be written within 30 s")
     plan_path = StepPlan(job_id=launch.job_id, restart=launch.restart, job_log_dir=launch.job_log_dir,
                          checkpoint_dir=launch.checkpoint_dir, max_requeues=launch.max_requeues,
-                         srun_cmd=launch.srun_cmd, started_from=started_from).save()
+                         max_restarts=launch.max_restarts, srun_cmd=launch.srun_cmd, started_from=started_from).save()
     hand_back([f"export {name}={bash_quote(value)}" for name, value in launch.exports.items()]
               + [assign("srun_cmd", launch.srun_cmd), assign("JOB_ID", launch.job_id),
                  assign("TORCHRUN_USR1", int(launch.torchrun_usr1)), assign("launch_plan", plan_path),
@@ -66,7 +67,7 @@ def plan(env: dict) -> int:
 
 
 def after_step(argv: list[str]) -> int:
-    from megatron_lev.launcher.steps import StepPlan, after_step as decide
+    from megatron_lev.launcher.steps import StepPlan, after_step as decide, latest_checkpoint
 
     parser = argparse.ArgumentParser(prog="python -m megatron_lev.launcher after-step")
     parser.add_argument("--plan", required=True)
@@ -74,10 +75,15 @@ def after_step(argv: list[str]) -> int:
     parser.add_argument("--requeue", type=int, choices=(0, 1), default=0)
     parser.add_argument("--terminated", type=int, choices=(0, 1), default=0)
     parser.add_argument("--resumed-from", required=True)
+    parser.add_argument("--attempt", type=int, default=0)
     args = parser.parse_args(argv)
-    decision = decide(StepPlan.load(args.plan), args.rc, bool(args.requeue), bool(args.terminated),
-                      args.resumed_from)
-    hand_back([assign("launch_action", decision.action), assign("launch_exit", decision.exit_code)])
+    plan = StepPlan.load(args.plan)
+    decision = decide(plan, args.rc, bool(args.requeue), bool(args.terminated), args.resumed_from, args.attempt)
+    assignments = [assign("launch_action", decision.action), assign("launch_exit", decision.exit_code)]
+    if decision.action == "restart":
+        assignments += [assign("srun_cmd", decision.srun_cmd),
+                        assign("launch_resumed_from", latest_checkpoint(plan.checkpoint_dir))]
+    hand_back(assignments)
     return 0
 
 

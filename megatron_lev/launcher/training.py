@@ -19,6 +19,7 @@ from typing import Mapping, MutableMapping, Optional
 
 from megatron_lev.launcher.batch import BatchPlan, choose_micro_batch, micro_batch_fits
 from megatron_lev.launcher.shell import LaunchError, bash_quote, get, print_cmd, require_int, switch
+from megatron_lev.launcher.steps import MAX_RESTARTS_DEFAULT, node_log_pattern
 from megatron_lev.launcher.variables import check_blend, resolve_aliases, take_extra_args, tokenizer_flags
 
 # What torchrun is told to pass on to the trainers (it must not die of USR1 itself: see common.sh).
@@ -42,6 +43,7 @@ class Launch:
     batch: BatchPlan
     compile_layers: bool
     max_requeues: int
+    max_restarts: int  # restarts of a failed step inside the allocation, per job start
     torchrun_usr1: bool  # torchrun has --signals-to-handle (torch >= 2.9)
     torchrun_shutdown_timeout: bool  # torchrun has --shutdown-timeout (torch >= 2.11)
     exports: dict[str, str] = field(default_factory=dict)  # set in every task's environment
@@ -79,7 +81,7 @@ def resolve_launch(env: MutableMapping[str, str], repo: str) -> Launch:
     pipeline = env["PP"].isdigit() and int(env["PP"]) > 1
     deepspeed_config = get(env, "DEEPSPEED_CONFIG", f"{repo}/deepspeed_configs/zero{1 if pipeline else 2}.json")
     defaults = {"SAVE_INTERVAL": "1000", "LOG_INTERVAL": "10", "BF16": "1", "COMPILE_LAYERS": "1",
-                "SHUTDOWN_TIMEOUT": "240", "MAX_REQUEUES": "50"}
+                "SHUTDOWN_TIMEOUT": "240", "MAX_REQUEUES": "50", "MAX_RESTARTS": str(MAX_RESTARTS_DEFAULT)}
     for name, default in defaults.items():
         env[name] = get(env, name, default)
     log_root = get(env, "LOG_ROOT", f"{repo}/logs")
@@ -94,6 +96,7 @@ def resolve_launch(env: MutableMapping[str, str], repo: str) -> Launch:
     if env.get("EXIT_INTERVAL"):
         require_int("EXIT_INTERVAL", env["EXIT_INTERVAL"], 1)
     max_requeues = require_int("MAX_REQUEUES", env["MAX_REQUEUES"])
+    max_restarts = require_int("MAX_RESTARTS", env["MAX_RESTARTS"])
     if env.get("TRAIN_TOKENS") and env.get("TRAIN_ITERS"):
         raise LaunchError("set TRAIN_TOKENS or TRAIN_ITERS, not both")
     bf16, compile_layers = switch("BF16", env["BF16"]), switch("COMPILE_LAYERS", env["COMPILE_LAYERS"])
@@ -125,7 +128,8 @@ def resolve_launch(env: MutableMapping[str, str], repo: str) -> Launch:
 
     launch = Launch(config=env["CONFIG"], nodes=nodes, hosts=hosts, job_id=job_id, restart=restart,
                     job_log_dir=job_log_dir, checkpoint_dir=checkpoint_dir, batch=batch, compile_layers=compile_layers,
-                    max_requeues=max_requeues, torchrun_usr1=False, torchrun_shutdown_timeout=False)
+                    max_requeues=max_requeues, max_restarts=max_restarts, torchrun_usr1=False,
+                    torchrun_shutdown_timeout=False)
     launch.exports = runtime_env(env, launch.notes)
     launch.torchrun_usr1, launch.torchrun_shutdown_timeout = torchrun_features()
 
@@ -164,12 +168,6 @@ def resolve_launch(env: MutableMapping[str, str], repo: str) -> Launch:
     launch.srun_cmd = srun_command(launch, env, node_log_pattern(job_log_dir, restart, 0))
     check_trainer_flags(launch.train_args, world, env.get("EXTRA_ARGS", ""))
     return launch
-
-
-def node_log_pattern(job_log_dir: str, restart: int, attempt: int) -> str:
-    """srun's --output for the trainers of one step: restart<N>-node<n>.log for a job start's first
-    step, restart<N>-attempt<K>-node<n>.log for its K-th restart inside the allocation."""
-    return f"{job_log_dir}/restart{restart}{f'-attempt{attempt}' if attempt else ''}-node%n.log"
 
 
 def srun_command(launch: Launch, env: Mapping[str, str], output: str) -> list[str]:
@@ -312,6 +310,9 @@ def dry_run_text(launch: Launch, env: Mapping[str, str]) -> str:
               f"# Checkpoints (--save, and --load to resume): {launch.checkpoint_dir}",
               f"# Decoder layers compiled (COMPILE_LAYERS={int(launch.compile_layers)}): "
               f"{'yes' if launch.compile_layers else 'no'}",
+              f"# Restarts: a failed step restarts in the allocation from the latest checkpoint, up to "
+              f"MAX_RESTARTS={launch.max_restarts} times; then the job requeues if it made progress "
+              f"(MAX_REQUEUES={launch.max_requeues})",
               f"# The batch shell runs (one task per node, logs in {launch.job_log_dir}):",
               print_cmd(launch.srun_cmd)]
     for i, host in enumerate(launch.hosts):
