@@ -228,8 +228,12 @@ def test_sbatch_trains_on_two_cpu_ranks_and_checkpoints(uninterrupted_job):
     assert job.latest() == f"iter_{TRAIN_ITERS:07d}"
     from megatron_lev.checkpointing.catalog import complete_checkpoints
 
+    # A checkpoint every SAVE_INTERVAL, the newest KEEP_CHECKPOINTS (3, the default) kept; the job's
+    # first lines said one checkpoint's size and the disk the run needs.
     saved = [iteration for iteration, _ in complete_checkpoints(str(job.ckpt))]
-    assert sorted(saved) == list(range(SAVE_INTERVAL, TRAIN_ITERS + 1, SAVE_INTERVAL))
+    assert sorted(saved) == list(range(SAVE_INTERVAL, TRAIN_ITERS + 1, SAVE_INTERVAL))[-3:]
+    assert sorted(p.name for p in job.ckpt.glob("iter_*")) == [f"iter_{i:07d}" for i in sorted(saved)]
+    assert "checkpoints: one checkpoint is about " in out and "the newest 3 kept (KEEP_CHECKPOINTS=3)" in out
     training = _run_config(job.ckpt)["training"]
     assert (training["data_parallel_size"], training["micro_batch_size"], training["global_batch_size"]) == (2, 2, 4)
 

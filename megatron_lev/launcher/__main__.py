@@ -47,6 +47,9 @@ def plan(env: dict) -> int:
     log.write(f"job {launch.job_id} restart {launch.restart} on {' '.join(launch.hosts[:launch.nodes])}; "
               f"resuming from checkpoint: {started_from}")
     log.write(f"batch: {launch.batch.summary()}")
+    log.write(f"checkpoints: {launch.disk.summary()}")
+    if launch.disk.shortfall():
+        log.write(launch.disk.shortfall())
     log.write(f"srun command: {print_cmd(launch.srun_cmd)}", stamped=False)
     for note in launch.notes:
         log.write(note)

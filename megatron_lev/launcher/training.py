@@ -8,7 +8,9 @@ trainer is `python -m megatron_lev.train`. The batch shell keeps the signals, th
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 import re
 import shutil
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, MutableMapping, Optional
 
 from megatron_lev.launcher.batch import BatchPlan, choose_micro_batch, micro_batch_fits
+from megatron_lev.launcher.disk import KEEP_CHECKPOINTS_DEFAULT, CheckpointDisk, plan_checkpoint_disk
 from megatron_lev.launcher.shell import LaunchError, bash_quote, get, print_cmd, require_int, switch
 from megatron_lev.launcher.steps import MAX_RESTARTS_DEFAULT, node_log_pattern
 from megatron_lev.launcher.variables import check_blend, resolve_aliases, take_extra_args, tokenizer_flags
@@ -51,6 +54,7 @@ class Launch:
     torchrun_cmd: list[str] = field(default_factory=list)
     srun_cmd: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # lines for the log and the dry run (stderr: warnings)
+    disk: Optional[CheckpointDisk] = None  # the checkpoints' size and the disk the run needs
 
 
 def resolve_launch(env: MutableMapping[str, str], repo: str) -> Launch:
@@ -81,7 +85,8 @@ def resolve_launch(env: MutableMapping[str, str], repo: str) -> Launch:
     pipeline = env["PP"].isdigit() and int(env["PP"]) > 1
     deepspeed_config = get(env, "DEEPSPEED_CONFIG", f"{repo}/deepspeed_configs/zero{1 if pipeline else 2}.json")
     defaults = {"SAVE_INTERVAL": "1000", "LOG_INTERVAL": "10", "BF16": "1", "COMPILE_LAYERS": "1",
-                "SHUTDOWN_TIMEOUT": "240", "MAX_REQUEUES": "50", "MAX_RESTARTS": str(MAX_RESTARTS_DEFAULT)}
+                "SHUTDOWN_TIMEOUT": "240", "MAX_REQUEUES": "50", "MAX_RESTARTS": str(MAX_RESTARTS_DEFAULT),
+                "KEEP_CHECKPOINTS": str(KEEP_CHECKPOINTS_DEFAULT)}
     for name, default in defaults.items():
         env[name] = get(env, name, default)
     log_root = get(env, "LOG_ROOT", f"{repo}/logs")
@@ -97,6 +102,7 @@ def resolve_launch(env: MutableMapping[str, str], repo: str) -> Launch:
         require_int("EXIT_INTERVAL", env["EXIT_INTERVAL"], 1)
     max_requeues = require_int("MAX_REQUEUES", env["MAX_REQUEUES"])
     max_restarts = require_int("MAX_RESTARTS", env["MAX_RESTARTS"])
+    keep = require_int("KEEP_CHECKPOINTS", env["KEEP_CHECKPOINTS"])
     if env.get("TRAIN_TOKENS") and env.get("TRAIN_ITERS"):
         raise LaunchError("set TRAIN_TOKENS or TRAIN_ITERS, not both")
     bf16, compile_layers = switch("BF16", env["BF16"]), switch("COMPILE_LAYERS", env["COMPILE_LAYERS"])
@@ -150,7 +156,10 @@ def resolve_launch(env: MutableMapping[str, str], repo: str) -> Launch:
     launch.train_args += [
         "--save", checkpoint_dir,
         "--load", checkpoint_dir,  # empty on the first run: starts fresh; resumes after a requeue
-        "--save-interval", env["SAVE_INTERVAL"], "--log-interval", env["LOG_INTERVAL"],
+        "--save-interval", env["SAVE_INTERVAL"],
+        # The newest KEEP_CHECKPOINTS only (0: all): a week of checkpoints at 1.2B is terabytes.
+        *(["--keep-last-checkpoints", str(keep)] if keep else []),
+        "--log-interval", env["LOG_INTERVAL"],
         "--tensorboard-dir", tensorboard_dir, "--deepspeed-config", deepspeed_config, "--gpu-type", gpu_type,
         "--log-throughput",  # TFLOP/s per GPU and MFU (against --gpu-type's peak) in every iteration line
         # torch.compile each decoder layer: fused RoPE/SwiGLU/RMSNorm (docs/performance.md); the
@@ -166,7 +175,8 @@ def resolve_launch(env: MutableMapping[str, str], repo: str) -> Launch:
     launch.torchrun_cmd += ["--shutdown-timeout", env["SHUTDOWN_TIMEOUT"]] if launch.torchrun_shutdown_timeout else []
     launch.torchrun_cmd += ["-m", "megatron_lev.train", *launch.train_args]
     launch.srun_cmd = srun_command(launch, env, node_log_pattern(job_log_dir, restart, 0))
-    check_trainer_flags(launch.train_args, world, env.get("EXTRA_ARGS", ""))
+    args, _ = check_trainer_flags(launch.train_args, world, env.get("EXTRA_ARGS", ""))
+    launch.disk = plan_checkpoint_disk(args, keep=keep, checkpoint_dir=checkpoint_dir, bf16=bf16)
     return launch
 
 
@@ -283,21 +293,33 @@ def torchrun_features() -> tuple[bool, bool]:
     return '"--signals-to-handle"' in source, '"--shutdown-timeout"' in source
 
 
-def check_trainer_flags(train_args: list[str], world: int, extra_args: str) -> None:
+def check_trainer_flags(train_args: list[str], world: int, extra_args: str):
     """The trainer's own parser and batch arithmetic over the full command line (EXTRA_ARGS included),
     at submit time and under DRY_RUN: a typo in a flag fails here, in one line, before the queue wait
-    and the allocation (megatron_lev/training/arguments.py; it reads no data and imports no torch).
-    Its warnings (ignored Megatron-LM flags) are passed on."""
-    proc = subprocess.run([sys.executable, "-m", "megatron_lev.training.arguments", "--world-size", str(world),
-                           *train_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = proc.stdout.rstrip("\n")
-    if proc.returncode != 0:
+    and the allocation (megatron_lev/training/arguments.py: `validate_flags`, which reads no data and
+    imports no torch). Its warnings (ignored Megatron-LM flags) are passed on. Returns the trainer's
+    arguments and DeepSpeed config."""
+    from megatron_lev.training.arguments import validate_flags
+    from megatron_lev.utils.errors import ConfigError
+
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            result = validate_flags(train_args, world)
+    except SystemExit:  # argparse's refusal, printed as "megatron_lev.train: error: ..."
+        result = None
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        said.write(f"megatron_lev.train: error: {exc}\n")
+        result = None
+    out = said.getvalue().rstrip("\n")
+    if result is None:
         line = next((l for l in out.splitlines() if "error: " in l), out.splitlines()[-1] if out else "")
         line = line.split("error: ", 1)[1] if "error: " in line else line
         given = f' (EXTRA_ARGS="{extra_args}")' if extra_args else ""
         raise LaunchError(f"the trainer refuses its flags{given}: {line}")
     if out:
         print(out, file=sys.stderr, flush=True)
+    return result
 
 
 def dry_run_text(launch: Launch, env: Mapping[str, str]) -> str:
@@ -308,6 +330,7 @@ def dry_run_text(launch: Launch, env: Mapping[str, str]) -> str:
     lines += [f"# {note}" for note in launch.notes]
     lines += [f"# Batch: {launch.batch.summary()}",
               f"# Checkpoints (--save, and --load to resume): {launch.checkpoint_dir}",
+              f"# Disk: {launch.disk.summary()}",
               f"# Decoder layers compiled (COMPILE_LAYERS={int(launch.compile_layers)}): "
               f"{'yes' if launch.compile_layers else 'no'}",
               f"# Restarts: a failed step restarts in the allocation from the latest checkpoint, up to "
