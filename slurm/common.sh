@@ -92,10 +92,13 @@ launcher() {
 }
 
 # Signal handling (see the top of this file).
-# Ask the trainers to checkpoint at the next step and exit.
+# Ask the trainers to checkpoint at the next step and exit (a conversion: stop it; the next job
+# start converts again, from a clean folder).
 stop_step() {
     [[ -n ${STEP_PID:-} ]] || return 0
-    if ((${TORCHRUN_USR1:-1})); then
+    if ((${CONVERTING:-0})); then
+        kill -TERM "$STEP_PID" 2>/dev/null || true
+    elif ((${TORCHRUN_USR1:-1})); then
         kill -USR1 "$STEP_PID" 2>/dev/null || true  # srun forwards USR1 to its tasks as it is
     else
         # This torchrun would die of USR1: SIGTERM every process of the step through
@@ -135,7 +138,7 @@ run_step() {
 
 launch_training() {
     # Traps first: a signal during the set-up is then remembered, not fatal.
-    REQUEUE=0 TERMINATED=0 STEP_PID=
+    REQUEUE=0 TERMINATED=0 STEP_PID='' CONVERTING=0
     trap _on_usr1 USR1
     trap _on_term TERM
     # The submitting shell's DS_ACCELERATOR (the CPU instructions export
@@ -149,8 +152,19 @@ launch_training() {
     fi
     # Checks, batch arithmetic and commands (megatron_lev/launcher/training.py): sets the
     # variables below; exports the tasks' variables.
-    srun_cmd=() JOB_ID=0 TORCHRUN_USR1=1 launch_plan="" launch_resumed_from=""
+    srun_cmd=() convert_cmd=() JOB_ID=0 JOB_LOG_DIR="" TORCHRUN_USR1=1 launch_plan="" launch_resumed_from=""
     launcher plan
+    # A resume at another layout: the checkpoint is converted here, on this node's cores, before the
+    # trainers start (megatron_lev/launcher/resume.py), where no collective waits on it.
+    if ((${#convert_cmd[@]})) && ((REQUEUE == 0 && TERMINATED == 0)); then
+        CONVERTING=1
+        run_step "${convert_cmd[@]}"
+        CONVERTING=0
+        if ((rc != 0 && REQUEUE == 0 && TERMINATED == 0)); then
+            log "the conversion failed (status $rc): not starting the trainers" | tee -a "$JOB_LOG_DIR/launch.log"
+            exit "$rc"
+        fi
+    fi
     local attempt=0
     while :; do
         rc=0

@@ -16,11 +16,11 @@ import os
 import shutil
 from typing import Optional
 
+from megatron_lev.checkpointing.universal import UNIVERSAL
 from megatron_lev.utils.errors import ConfigError
 
 OPTIMIZER_BYTES_PER_PARAMETER = 12  # fp32 master weights, Adam's exp_avg and exp_avg_sq
 SPACE_MARGIN = 0.05  # of a checkpoint's size: RNG files, pickling, a layout with more TP-replicated weights
-UNIVERSAL = "universal"  # DIR/iter_N/universal/: a conversion to another layout (universal.py), not the checkpoint
 
 
 class CheckpointSpaceError(ConfigError):
@@ -33,7 +33,8 @@ def estimated_checkpoint_bytes(parameters: int, bf16: bool) -> int:
 
 
 def folder_bytes(tag_dir: str) -> int:
-    """The bytes of a saved checkpoint folder: every file but a universal conversion's."""
+    """The bytes of a saved checkpoint folder: every file but a universal conversion's (iter_N/universal*:
+    the form a resume at another layout loads, not the checkpoint)."""
     total = 0
     for root, dirs, names in os.walk(tag_dir):
         if root == tag_dir:

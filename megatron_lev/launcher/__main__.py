@@ -50,6 +50,8 @@ def plan(env: dict) -> int:
     log.write(f"checkpoints: {launch.disk.summary()}")
     if launch.disk.shortfall():
         log.write(launch.disk.shortfall())
+    if launch.conversion:
+        log.write(f"resume: {launch.conversion.summary()}")
     log.write(f"srun command: {print_cmd(launch.srun_cmd)}", stamped=False)
     for note in launch.notes:
         log.write(note)
@@ -64,6 +66,8 @@ def plan(env: dict) -> int:
                          max_restarts=launch.max_restarts, srun_cmd=launch.srun_cmd, started_from=started_from).save()
     hand_back([f"export {name}={bash_quote(value)}" for name, value in launch.exports.items()]
               + [assign("srun_cmd", launch.srun_cmd), assign("JOB_ID", launch.job_id),
+                 assign("convert_cmd", launch.conversion.cmd if launch.conversion else []),
+                 assign("JOB_LOG_DIR", launch.job_log_dir),
                  assign("TORCHRUN_USR1", int(launch.torchrun_usr1)), assign("launch_plan", plan_path),
                  assign("launch_resumed_from", started_from)])
     return 0

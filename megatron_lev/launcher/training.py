@@ -21,6 +21,7 @@ from typing import Mapping, MutableMapping, Optional
 
 from megatron_lev.launcher.batch import BatchPlan, choose_micro_batch, micro_batch_fits
 from megatron_lev.launcher.disk import KEEP_CHECKPOINTS_DEFAULT, CheckpointDisk, plan_checkpoint_disk
+from megatron_lev.launcher.resume import Conversion, plan_conversion
 from megatron_lev.launcher.shell import LaunchError, bash_quote, get, print_cmd, require_int, switch
 from megatron_lev.launcher.steps import MAX_RESTARTS_DEFAULT, node_log_pattern
 from megatron_lev.launcher.variables import check_blend, resolve_aliases, take_extra_args, tokenizer_flags
@@ -55,6 +56,7 @@ class Launch:
     srun_cmd: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # lines for the log and the dry run (stderr: warnings)
     disk: Optional[CheckpointDisk] = None  # the checkpoints' size and the disk the run needs
+    conversion: Optional[Conversion] = None  # a resume at another layout: converted before the trainers
 
 
 def resolve_launch(env: MutableMapping[str, str], repo: str) -> Launch:
@@ -175,8 +177,9 @@ def resolve_launch(env: MutableMapping[str, str], repo: str) -> Launch:
     launch.torchrun_cmd += ["--shutdown-timeout", env["SHUTDOWN_TIMEOUT"]] if launch.torchrun_shutdown_timeout else []
     launch.torchrun_cmd += ["-m", "megatron_lev.train", *launch.train_args]
     launch.srun_cmd = srun_command(launch, env, node_log_pattern(job_log_dir, restart, 0))
-    args, _ = check_trainer_flags(launch.train_args, world, env.get("EXTRA_ARGS", ""))
+    args, ds_config = check_trainer_flags(launch.train_args, world, env.get("EXTRA_ARGS", ""))
     launch.disk = plan_checkpoint_disk(args, keep=keep, checkpoint_dir=checkpoint_dir, bf16=bf16)
+    launch.conversion = plan_conversion(args, ds_config, checkpoint_dir)
     return launch
 
 
@@ -331,6 +334,7 @@ def dry_run_text(launch: Launch, env: Mapping[str, str]) -> str:
     lines += [f"# Batch: {launch.batch.summary()}",
               f"# Checkpoints (--save, and --load to resume): {launch.checkpoint_dir}",
               f"# Disk: {launch.disk.summary()}",
+              *([f"# Resume: {launch.conversion.summary()}"] if launch.conversion else []),
               f"# Decoder layers compiled (COMPILE_LAYERS={int(launch.compile_layers)}): "
               f"{'yes' if launch.compile_layers else 'no'}",
               f"# Restarts: a failed step restarts in the allocation from the latest checkpoint, up to "
