@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_train
 
 from megatron_lev.lev import generator as lev  # noqa: E402
+from megatron_lev.lev import dispatch as lev_dispatch  # noqa: E402
 from megatron_lev.lev.parallel import ParallelLEVEmbedding  # noqa: E402
 from megatron_lev.utils.profiling import KernelCounter  # noqa: E402
 
@@ -65,7 +66,7 @@ def use_fused_stand_in() -> None:
     """Route CPU tensors through the fused path, with a CPU stand-in for the kernels."""
     from megatron_lev.lev import kernels as lev_kernels
 
-    lev.FUSED_MODES_DEVICES = ("cuda", "cpu")
+    lev_dispatch.FUSED_MODES_DEVICES = ("cuda", "cpu")
     lev_kernels.available = lambda device: True
     lev_kernels.modes_forward_op.register_kernel("cpu")(
         lambda x, delta, eps, chunk, mode_max: x.new_zeros(x.shape[0], x.shape[1], delta.shape[3]))

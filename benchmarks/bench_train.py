@@ -423,9 +423,14 @@ def main(argv=None) -> dict:
             report["sizes"][name] = bench_size(name, size, tuple(args.kinds), bf16=args.bf16, device=device,
                                                data_path=args.data_path, peak_flops=peak, warmup=args.warmup,
                                                num_layers=args.num_layers)
+    return finish_report(report, device, args.output)
+
+
+def finish_report(report: dict, device, output: Optional[str]) -> dict:
+    """The end of a benchmark: the load average at the end (CPU), the JSON out; the report."""
     if device.type == "cpu":
         report["environment"]["load_average_1m_end"] = os.getloadavg()[0]
-    print_json(report, args.output)
+    print_json(report, output)
     return report
 
 

@@ -155,6 +155,7 @@ def fused_vs_pytorch(config: str, micro_batch: int, seq: int, device) -> dict:
     against the PyTorch path (output, every generator gradient), and each path's time."""
     from megatron_lev.configs import load_config
     from megatron_lev.lev import generator as lev
+    from megatron_lev.lev import dispatch as lev_dispatch
     from megatron_lev.lev.parallel import ParallelLEVEmbedding
 
     section = load_config(config)["model"]
@@ -163,13 +164,13 @@ def fused_vs_pytorch(config: str, micro_batch: int, seq: int, device) -> dict:
     (window,) = bench_train.zipf_batches(cfg.vocab_size, micro_batch, seq, 1, seed=5)
     batch = bench_train.as_inputs(window, device, cfg.vocab_size)
     upstream = torch.randn(seq, micro_batch, cfg.hidden_size, generator=torch.Generator().manual_seed(6)).to(device)
-    results, devices = {}, lev.FUSED_MODES_DEVICES
+    results, devices = {}, lev_dispatch.FUSED_MODES_DEVICES
     for path, fused_devices in (("fused", ("cuda", "cpu")), ("pytorch", ())):
-        lev.FUSED_MODES_DEVICES = fused_devices
+        lev_dispatch.FUSED_MODES_DEVICES = fused_devices
         try:
             module = ParallelLEVEmbedding(cfg, init_seed=1234, device=device)
-            if path == "fused" and not lev.uses_fused_modes(device):
-                lev.FUSED_MODES_DEVICES = devices
+            if path == "fused" and not lev_dispatch.uses_fused_modes(device):
+                lev_dispatch.FUSED_MODES_DEVICES = devices
                 return {"skipped": f"no fused path on {device.type} (Triton's interpreter is off)", "ok": True}
             times = []
             for _ in range(3):  # the first one compiles
@@ -183,7 +184,7 @@ def fused_vs_pytorch(config: str, micro_batch: int, seq: int, device) -> dict:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
         finally:
-            lev.FUSED_MODES_DEVICES = devices
+            lev_dispatch.FUSED_MODES_DEVICES = devices
         results[path] = {"out": out.detach(), "grads": {n: p.grad for n, p in module.generator.named_parameters()},
                          "ms": 1000 * min(times[1:])}
     fused, pytorch = results["fused"], results["pytorch"]
@@ -195,8 +196,8 @@ def fused_vs_pytorch(config: str, micro_batch: int, seq: int, device) -> dict:
              **{name: relative(fused["grads"][name], pytorch["grads"][name]) for name in pytorch["grads"]}}
     result = {"distinct_ids": int(batch["lev_ids"].numel()), "tokens": micro_batch * seq,
               "relative_max_diffs": diffs, "tolerance": FUSED_VS_PYTORCH_TOLERANCE,
-              "fused_ms": fused["ms"], "pytorch_ms": pytorch["ms"], "fused_failure": lev.fused_modes_failure}
-    result["ok"] = lev.fused_modes_failure is None and max(diffs.values()) <= FUSED_VS_PYTORCH_TOLERANCE
+              "fused_ms": fused["ms"], "pytorch_ms": pytorch["ms"], "fused_failure": lev_dispatch.fused_modes_failure}
+    result["ok"] = lev_dispatch.fused_modes_failure is None and max(diffs.values()) <= FUSED_VS_PYTORCH_TOLERANCE
     log(f"fused vs PyTorch LEV ({result['distinct_ids']} distinct ids): worst {max(diffs.values()):.1e}, "
         f"{fused['ms']:.1f} vs {pytorch['ms']:.1f} ms forward + backward")
     return result

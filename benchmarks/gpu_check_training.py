@@ -118,12 +118,12 @@ def compile_fallbacks(before: dict, caught: list) -> dict:
     """Every compile fallback since `before`: decoder layers run eagerly after torch.compile failed,
     the fused LEV kernels replaced by the PyTorch path, LEV's CPU mode product not compiled, and
     the warnings that said why."""
-    from megatron_lev.lev import generator as lev
+    from megatron_lev.lev import dispatch as lev_dispatch
     from megatron_lev.models import transformer
 
     return {"decoder_layers": list(transformer._compile_failures[before["decoder_layers"]:]),
-            "lev_fused_kernels": lev.fused_modes_failure,
-            "lev_cpu_mode_product": lev._compiled_mode_product is False,
+            "lev_fused_kernels": lev_dispatch.fused_modes_failure,
+            "lev_cpu_mode_product": lev_dispatch._compiled_mode_product is False,
             "warnings": [str(w.message)[:300] for w in caught if "fail" in str(w.message)]}
 
 
@@ -340,7 +340,7 @@ def training_stage(tiny: bool, gpu: dict, device, steps: int, gpus_per_node: int
                 + result["step_peak_above_states_bytes"] * slurm["micro"] / result["micro_batch_size"])
     lev_result = into["kinds"].get("lev", {})
     lev_result["fused_kernel_launches"] = {k: kernels.LAUNCHES[k] - launches.get(k, 0) for k in ("forward", "backward")}
-    lev_result["fused_failure"] = lev.fused_modes_failure
+    lev_result["fused_failure"] = lev_dispatch.fused_modes_failure
     for kind, result in into["kinds"].items():
         log(f"{kind}: {1000 * result.get('step_time_s_median', float('nan')):.0f} ms/step, MFU {result.get('mfu')} "
             f"(of the measured GEMM ceiling {result.get('mfu_of_measured_gemm_ceiling')}), losses "

@@ -10,7 +10,8 @@
 # SentencePiece BPE of that size, indexed dataset; prepare_data in lib.sh makes it when missing).
 # A run is OUT/vVOCAB/runs/NAME: `python -m megatron_lev.train` with the flags every experiment
 # run gets (lib.sh train_run: validation every 50 steps on 8 batches, a checkpoint every 400),
-# the data, --seed SEED and the plan's flags. Its train.log starts with the commit and the command.
+# the data, --seed SEED and the plan's flags. Its train.log starts with the commit and the command;
+# it runs the package as committed there (code_snapshot), whatever happens to the checkout meanwhile.
 # The plan is read again each time a lane frees, so lines appended meanwhile are picked up;
 # finished runs are skipped and an interrupted one resumes from its checkpoint. A queue started
 # again adopts the runs a stopped one left training (lib.sh train_run waits for them in a lane).
@@ -88,14 +89,34 @@ current_commit() {
     echo "$commit"
 }
 
+# code_snapshot: OUT/code/COMMIT, the package as committed at COMMIT (git archive), made once. A job
+# runs it (PYTHONPATH), not the checkout: Python imports some modules only when first needed (at the
+# first checkpoint, say), so a checkout updated while a job runs could hand it a mix of two commits
+# (that broke two runs on 4 December). Uncommitted changes never reach a job.
+code_snapshot() {
+    local commit snap
+    commit=$(git -C "$repo" rev-parse HEAD)
+    snap=$out/code/$commit
+    if [[ ! -d $snap ]]; then
+        mkdir -p "$snap.tmp.$$"
+        git -C "$repo" archive "$commit" megatron_lev | tar -x -C "$snap.tmp.$$"
+        mv "$snap.tmp.$$" "$snap" 2>/dev/null || rm -rf "$snap.tmp.$$"  # another lane made it first
+    fi
+    echo "$snap"
+}
+
 one_job() {  # NAME STEPS CONFIG SEED FLAGS...
-    local name=$1 steps=$2 config=$3 seed=$4 vocab data run
+    local name=$1 steps=$2 config=$3 seed=$4 vocab data run snap
     shift 4
     vocab=$(config_vocab "$config")
     data=$out/v$vocab
     run=$data/runs/$name
     mkdir -p "$run"
-    echo "# experiments/queue.sh --plan $plan, line '$name', at commit $(current_commit)" >> "$run/train.log"
+    snap=$(code_snapshot)
+    echo "# experiments/queue.sh --plan $plan, line '$name', at commit $(current_commit), running the package" \
+        "as committed there ($snap)" >> "$run/train.log"
+    cd "$snap"  # python -m puts the working folder first on sys.path: the snapshot, not the checkout
+    PYTHONPATH=$snap${PYTHONPATH:+:$PYTHONPATH} \
     train_run "$name" "$run" "$steps" --config "$repo/experiments/configs/$config.yaml" --seed "$seed" \
         --data-path "$data/data/stdlib_text_document" --split 95,5,0 --data-cache-path "$data/cache" \
         --tokenizer-type SentencePieceTokenizer --tokenizer-model "$data/tokenizer/spm.model" "$@"

@@ -116,6 +116,42 @@ def test_bootstrap_interval_matches_the_standard_error_on_a_large_sample():
     assert lo < values.mean() < hi
 
 
+def test_block_bootstrap_widens_the_interval_by_the_repetition_inside_blocks():
+    """Issue 42: positions that share a block (a token repeated inside one document piece) are one
+    draw, not many. 1,000 blocks of 20 positions, each block's value repeated 20 times: the token
+    bootstrap's interval is the naive standard error over 20,000 values, sqrt(20) too narrow; the
+    block bootstrap's is the standard error over the 1,000 independent blocks."""
+    rng = np.random.default_rng(5)
+    per_block = rng.normal(0.1, 1.0, size=1000)
+    values = np.repeat(per_block, 20)
+    members = np.ones(values.size, dtype=bool)
+    lo, hi = bins.block_bootstrap_mean_interval(values, members, 20, 2000, np.random.default_rng(1))
+    assert (hi - lo) == pytest.approx(2 * 1.96 * per_block.std() / math.sqrt(1000), rel=0.1)
+    token_lo, token_hi = bins.bootstrap_mean_interval(values, 2000, np.random.default_rng(1))
+    assert (hi - lo) / (token_hi - token_lo) == pytest.approx(math.sqrt(20), rel=0.15)
+    # Block size 1 is the token bootstrap; a bin of a few members keeps its exact mean inside.
+    members = np.zeros(values.size, dtype=bool)
+    members[[3, 4, 500, 9000]] = True
+    lo, hi = bins.block_bootstrap_mean_interval(values, members, 20, 2000, np.random.default_rng(1))
+    assert lo <= values[members].mean() <= hi
+
+
+def test_bins_block_size_is_in_the_result_and_checked(tmp_path):
+    seed_file(tmp_path / "s1", 1, 0.0)
+    seed_file(tmp_path / "s2", 2, 0.1)
+    args = ["--seed-dir", f"1={tmp_path / 's1'}", "--seed-dir", f"2={tmp_path / 's2'}", "--pair", "lev:untied",
+            "--output-dir", str(tmp_path / "o")]
+    token = bins.main(args + ["--bootstrap", "500"])
+    block = bins.main(args + ["--bootstrap", "500", "--block-size", "40"])
+    assert (token["bootstrap_block_size"], block["bootstrap_block_size"]) == (1, 40)
+    # The same differences; only the intervals change.
+    t_all, b_all = token["pairs"]["lev:untied"]["input"][-1], block["pairs"]["lev:untied"]["input"][-1]
+    assert t_all["difference"] == b_all["difference"] and t_all["ci95"] != b_all["ci95"]
+    assert "block (40 consecutive positions a block)" in (tmp_path / "o" / "bins.md").read_text()
+    with pytest.raises(SystemExit, match="--block-size 0: at least 1 position"):
+        bins.main(args + ["--block-size", "0"])
+
+
 def test_seeds_must_score_the_same_tokens(tmp_path):
     seed_file(tmp_path / "s1", 1, 0.0)
     seed_file(tmp_path / "s2", 2, 0.0)

@@ -19,6 +19,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from megatron_lev.data.datasets import collate_pretraining_batch  # noqa: E402
 from megatron_lev.lev import generator as lev  # noqa: E402
+from megatron_lev.lev import dispatch as lev_dispatch  # noqa: E402
 from megatron_lev.lev import kernels as lev_kernels  # noqa: E402
 from megatron_lev.lev.parallel import ParallelLEVEmbedding  # noqa: E402
 from megatron_lev.utils.profiling import KernelCounter  # noqa: E402
@@ -33,9 +34,9 @@ CFG = dict(vocab_size=1000, hidden_size=12, seed_dim=5, num_heads=2, num_knots=5
 @pytest.fixture
 def fused_here(monkeypatch):
     """The fused path on DEVICE (CPU tensors take it only under the interpreter)."""
-    monkeypatch.setattr(lev, "FUSED_MODES_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(lev, "fused_modes_failure", None)
-    assert lev.uses_fused_modes(DEVICE)
+    monkeypatch.setattr(lev_dispatch, "FUSED_MODES_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(lev_dispatch, "fused_modes_failure", None)
+    assert lev_dispatch.uses_fused_modes(DEVICE)
 
 
 def fused_modes(x, delta, eps=1e-9):
@@ -145,9 +146,9 @@ def test_a_triton_failure_warns_once_and_takes_the_pytorch_path(fused_here, monk
     cfg = lev.LEVConfig(**CFG)
     ids = torch.randint(0, 1000, (2, 40), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     layer = ParallelLEVEmbedding(cfg, init_seed=3).to(DEVICE)
-    monkeypatch.setattr(lev, "FUSED_MODES_DEVICES", ())
+    monkeypatch.setattr(lev_dispatch, "FUSED_MODES_DEVICES", ())
     expected = layer(ids)
-    monkeypatch.setattr(lev, "FUSED_MODES_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(lev_dispatch, "FUSED_MODES_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(lev_kernels, "_compiles", lambda device: True)  # the first-use check, as on CUDA
     monkeypatch.setattr(lev_kernels, "_BACKWARD_CHECKED", set())
     calls = []
@@ -164,8 +165,8 @@ def test_a_triton_failure_warns_once_and_takes_the_pytorch_path(fused_here, monk
     assert messages == [f"LEV: the fused Triton kernels failed on {DEVICE.type}, using the PyTorch path (same math, "
                         "slower): RuntimeError: Failed to find C compiler. Please specify via CC environment variable."]
     assert torch.equal(out, expected)
-    assert lev.fused_modes_failure.startswith("RuntimeError: Failed to find C compiler")
-    assert not lev.uses_fused_modes(DEVICE)
+    assert lev_dispatch.fused_modes_failure.startswith("RuntimeError: Failed to find C compiler")
+    assert not lev_dispatch.uses_fused_modes(DEVICE)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="LEV")  # once: later steps go straight to the PyTorch path
         out.sum().backward()
@@ -197,7 +198,7 @@ def test_fused_generator_matches_pytorch_path_under_autocast_and_counts(fused_he
     # Measured 19 + 15 here (19 + 16 before the cap), 756 on the per-head PyTorch path (bench_kernels.py).
     assert forward.kernels + backward.kernels <= 40, (forward.summary()["ops"], backward.summary()["ops"])
     assert forward.host_syncs == backward.host_syncs == 0
-    monkeypatch.setattr(lev, "FUSED_MODES_DEVICES", ())
+    monkeypatch.setattr(lev_dispatch, "FUSED_MODES_DEVICES", ())
     reference = ParallelLEVEmbedding(cfg, init_seed=3).to(DEVICE)
     with KernelCounter() as in_step:
         ref = reference(ids)  # ids found in the step: unique (a sync on CUDA)

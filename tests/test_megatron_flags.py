@@ -42,7 +42,8 @@ def test_pretrain_gpt_command_line(capsys):
         ("--disable-bias-linear", "linear layers never have biases"),
         ("--position-embedding-type", "always RoPE (--rotary-base sets its base)"),
         ("--max-position-embeddings", "RoPE has no position table; --seq-length sets the length"),
-        ("--untie-embeddings-and-output-weights", "the config's model.embedding (lev / tied / untied) decides"),
+        ("--untie-embeddings-and-output-weights", "the config's model.embedding (lev / tied / untied / factorized) "
+                                                  "decides"),
         ("--use-distributed-optimizer", "optimizer state is sharded by DeepSpeed ZeRO (--zero-stage, default 1)"),
         ("--overlap-grad-reduce", "DeepSpeed's JSON (overlap_comm) decides"),
         ("--deepspeed", "training always runs under DeepSpeed"))]

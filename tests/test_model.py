@@ -187,6 +187,15 @@ def test_parameter_counts_and_isoparametric_planner_on_built_models(single_rank)
         assert abs(planned - baseline_total) <= 0.01 * baseline_total, (vary, planned, baseline_total)
         changed = plan["model"]["num_layers"] > 3 if vary == "depth" else plan["model"]["hidden_size"] > 128
         assert changed, plan["model"]
+    # v1's embedding-dominated regime (issue 42): tables are 91% of this untied model, and the saved
+    # table buys 5x the depth. The planner reaches it with the baseline's MLP (it stopped at 4x the
+    # depth and made up the rest by widening the MLP: 16 layers, ffn 288).
+    embedded = {**baseline, "vocab_size": 16000, "hidden_size": 64, "ffn_hidden_size": 192, "num_layers": 4,
+                "num_attention_heads": 4, "num_query_groups": 2,
+                "lev": {"num_coordinates": 3, "seed_dim": 64, "num_heads": 4, "num_knots": 32, "num_modes": 16}}
+    plan = plan_isoparametric(embedded)
+    assert (plan["model"]["num_layers"], plan["model"]["ffn_hidden_size"], plan["ffn_adjusted"]) == (22, 192, False)
+    assert built(plan["model"]) == plan["total"] and abs(plan["relative_difference"]) <= 0.01
 
 
 def test_packaged_configs_are_valid_and_share_their_backbone():
@@ -250,7 +259,8 @@ def test_papers_vocabulary_family_overhead_and_isoparametric_depths():
     ({"num_layers": 2}, {"pipeline_model_parallel_size": 4},
      r"num_layers \(2\) must be at least --pipeline-model-parallel-size \(4\)"),
     ({"num_query_groups": 3}, {}, r"num_query_groups \(3, the kv heads\) must divide num_attention_heads \(4\)"),
-    ({"embedding": "shared"}, {}, r"embedding: unknown embedding kind 'shared' \(expected one of lev, tied, untied\)"),
+    ({"embedding": "shared"}, {},
+     r"embedding: unknown embedding kind 'shared' \(expected one of lev, tied, untied, factorized\)"),
     ({"num_heads": 4}, {}, r"model.num_heads: unknown model field"),
     ({"lev": {"num_heads": 3}}, {"tensor_model_parallel_size": 2}, r"LEVConfig.num_heads=3 must be divisible"),
 ])

@@ -9,6 +9,7 @@ Every run shares the schedule of a 30-step run (--train-iters 30); runs that onl
 3 steps stop there with --exit-interval 3, so their learning rates are the reference's.
 """
 import json
+import math
 import os
 import re
 import shutil
@@ -28,6 +29,7 @@ TRAIN_ITERS = 30
 # partitions) differ in the last bits; after 3 AdamW steps the losses agree to ~1e-7.
 LOSS_ATOL = 1e-5
 LAYOUT_RUN = ("--exit-interval", "3", "--eval-interval", "3")  # 3 steps, then a validation pass
+WATCHED_EMBEDDING = ("embedding_rms", "embedding_mean_cosine", "embedding_effective_rank")
 
 
 def train_flags(dataset, tokenizer, workdir, name, *extra):
@@ -60,6 +62,7 @@ def two_rank_runs(tiny_dataset, spm_tokenizer, tmp_path_factory):
     """Every 2-rank training of this file, in one launch. Returns the work directory."""
     work = str(tmp_path_factory.mktemp("train2"))
     resume_dir = os.path.join(work, "ckpt_resume")
+    workers_dir = os.path.join(work, "ckpt_workers")
 
     def flags(name, *extra):
         return train_flags(tiny_dataset, spm_tokenizer, work, name, *extra)
@@ -74,6 +77,11 @@ def two_rank_runs(tiny_dataset, spm_tokenizer, tmp_path_factory):
                           "--save-interval", "5", "--keep-last-checkpoints", "2", "--exit-interval", "15"),
         "resume_b": flags("resume_b", "--config", "tiny-lev", "--zero-stage", "1", "--save", resume_dir,
                           "--load", resume_dir, "--save-interval", "5", "--keep-last-checkpoints", "2"),
+        # Resume with data-loader worker processes (issue 43): 6 steps, stop, --load, 6 more.
+        "workers_a": flags("workers_a", "--config", "tiny-lev", "--zero-stage", "1", "--num-workers", "2",
+                           "--save", workers_dir, "--save-interval", "6", "--exit-interval", "6"),
+        "workers_b": flags("workers_b", "--config", "tiny-lev", "--zero-stage", "1", "--num-workers", "2",
+                           "--save", workers_dir, "--load", workers_dir, "--exit-interval", "12"),
         # Layouts: 3 steps and an evaluation each.
         "lev_tp2": flags("lev_tp2", "--config", "tiny-lev", "--tensor-model-parallel-size", "2", *LAYOUT_RUN),
         "lev_pp2": flags("lev_pp2", "--config", "tiny-lev", "--pipeline-model-parallel-size", "2", *LAYOUT_RUN),
@@ -116,6 +124,24 @@ def test_layouts_match_one_rank(two_rank_runs, tiny_dataset, spm_tokenizer, tmp_
             (valid,) = [r for r in read_metrics(two_rank_runs, name) if "valid_loss" in r]
             assert valid["iteration"] == 3 and valid["valid_loss"] == pytest.approx(ref_valid, abs=LOSS_ATOL), name
     assert train_records(two_rank_runs, "lev_tp2")[3]["lr"] == ref[3]["lr"]
+    # The watched embedding (issue 43): the two families' gradient norms and the embedding's statistics
+    # over its fixed ids are the whole model's in every layout, before the first step and after each.
+    (ref_start,) = [r for r in read_metrics(work, "ref") if "loss" not in r and "valid_loss" not in r]
+    assert ref_start["iteration"] == 0 and ref_start["consumed_tokens"] == 0
+    for it in (1, 2, 3):
+        assert math.hypot(ref[it]["embedding_grad_norm"], ref[it]["body_grad_norm"]) == pytest.approx(
+            ref[it]["grad_norm"], rel=1e-5)
+        assert ref[it]["clipped_fraction"] == float(ref[it]["grad_norm"] > 1.0)  # --clip-grad 1.0, one step each
+    for name in ("lev_tp2", "lev_pp2", "lev_dp2_z1", "lev_dp2_z2", "lev_dp2_z3"):
+        got = train_records(two_rank_runs, name)
+        (start,) = [r for r in read_metrics(two_rank_runs, name) if r["iteration"] == 0]
+        for key in WATCHED_EMBEDDING:
+            assert start[key] == pytest.approx(ref_start[key], rel=1e-6), (name, key)
+            for it in (1, 2, 3):
+                assert got[it][key] == pytest.approx(ref[it][key], rel=1e-5), (name, it, key)
+        for it in (1, 2, 3):
+            for key in ("embedding_grad_norm", "body_grad_norm"):
+                assert got[it][key] == pytest.approx(ref[it][key], rel=1e-5), (name, it, key)
 
 
 def test_loss_decreases_lev_and_tied(two_rank_runs):
@@ -129,7 +155,25 @@ def test_loss_decreases_lev_and_tied(two_rank_runs):
         assert [r["iteration"] for r in valid] == [10, 20, 30]
         assert valid[-1]["valid_loss"] < valid[0]["valid_loss"]
         assert records[TRAIN_ITERS]["tokens_per_s"] > 0 and records[TRAIN_ITERS]["skipped_steps"] == 0
-    assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(two_rank_runs, "tb")))
+        for record in records.values():  # every log interval (--log-interval 1)
+            assert math.hypot(record["embedding_grad_norm"], record["body_grad_norm"]) == pytest.approx(
+                record["grad_norm"], rel=1e-5)  # DeepSpeed sums its norm in float32
+            assert record["clipped_fraction"] in (0.0, 1.0) and 1 < record["embedding_effective_rank"] <= 512
+        # The embedding moves: its statistics after 30 steps are not those at iteration 0.
+        (start,) = [r for r in read_metrics(two_rank_runs, name) if r["iteration"] == 0]
+        assert records[TRAIN_ITERS]["embedding_rms"] != pytest.approx(start["embedding_rms"], rel=1e-3)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(two_rank_runs, "tb"))
+    events.Reload()
+    lev = train_records(two_rank_runs, "lev_dp2_z1")
+    for tag, key in (("embedding-grad-norm", "embedding_grad_norm"), ("body-grad-norm", "body_grad_norm"),
+                     ("clipped-fraction", "clipped_fraction"), ("embedding-rms", "embedding_rms"),
+                     ("embedding-mean-cosine", "embedding_mean_cosine"),
+                     ("embedding-effective-rank", "embedding_effective_rank")):
+        points = {e.step: e.value for e in events.Scalars(tag)}
+        assert sorted(points) == ([0] if key.startswith("embedding_") and "grad" not in key else []) + sorted(lev), tag
+        assert [points[i] for i in sorted(lev)] == pytest.approx([lev[i][key] for i in sorted(lev)], rel=1e-6), tag
 
 
 def test_exact_resume(two_rank_runs):
@@ -141,6 +185,12 @@ def test_exact_resume(two_rank_runs):
     assert [resumed[i]["loss"] for i in full] == [full[i]["loss"] for i in full]
     assert [resumed[i]["grad_norm"] for i in full] == [full[i]["grad_norm"] for i in full]
     assert [resumed[i]["lr"] for i in full] == [full[i]["lr"] for i in full]
+    # The resumed run's statistics before its first step are those of the weights it resumed (to
+    # rounding: before the first step LEV's CPU mode product runs uncompiled, after it compiled).
+    (start,) = [r for r in read_metrics(two_rank_runs, "resume_b") if r["iteration"] == 15 and "loss" not in r]
+    assert [start[key] for key in WATCHED_EMBEDDING] == pytest.approx([full[15][key] for key in WATCHED_EMBEDDING],
+                                                                      rel=1e-7)
+    assert [resumed[i]["embedding_grad_norm"] for i in full] == [full[i]["embedding_grad_norm"] for i in full]
     valid = [r["valid_loss"] for r in read_metrics(two_rank_runs, "resume_b") if "valid_loss" in r]
     assert valid == [r["valid_loss"] for r in read_metrics(two_rank_runs, "lev_dp2_z1")
                      if "valid_loss" in r and r["iteration"] > 15]
@@ -155,6 +205,17 @@ def test_exact_resume(two_rank_runs):
     assert saved["model"]["embedding"] == "lev" and saved["training"]["data_parallel_size"] == 2
     assert os.path.isfile(os.path.join(ckpt, "config.yaml"))
     assert sorted(os.listdir(os.path.join(ckpt, "iter_0000030", "rng"))) == ["rank_00000.pt", "rank_00001.pt"]
+
+
+def test_resume_with_loader_workers_is_exact(two_rank_runs):
+    """--num-workers 2 (the loader in worker processes), stopped after 6 steps and resumed: the
+    losses and gradient norms of the uninterrupted in-process-loader run, bit for bit."""
+    full = train_records(two_rank_runs, "lev_dp2_z1")
+    first, second = train_records(two_rank_runs, "workers_a"), train_records(two_rank_runs, "workers_b")
+    assert sorted(first) == list(range(1, 7)) and sorted(second) == list(range(7, 13))
+    resumed = {**first, **second}
+    assert [resumed[i]["loss"] for i in resumed] == [full[i]["loss"] for i in resumed]
+    assert [resumed[i]["grad_norm"] for i in resumed] == [full[i]["grad_norm"] for i in resumed]
 
 
 def test_exit_duration_checkpoints_and_exits_zero(two_rank_runs):
@@ -255,7 +316,10 @@ def test_sigterm_checkpoints_and_exits_zero(tiny_dataset, spm_tokenizer, tmp_pat
     # a config summary instead of the whole config; no third-party import warnings.
     logged = [re.fullmatch(r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +100000 \| consumed samples: +(\d+) "
                            r"\| elapsed time per iteration \(ms\): [\d.]+ \| learning rate: (\S+) \| global batch size: +8 "
-                           r"\| lm loss: (\S+) \| grad norm: [\d.]+ \| number of skipped iterations: +0 \| number of nan "
+                           r"\| lm loss: (\S+) \| grad norm: [\d.]+ \| embedding grad norm: [\d.]+ \| body grad norm: [\d.]+ "
+                           r"\| clipped: (?:0|100)\.0% \| embedding RMS: [\d.]+ \| embedding cosine: -?[\d.]+ \| "
+                           r"embedding eff\. rank: [\d.]+ \| rank time \(ms\) min/max: [\d.]+ \(rank [01]\) / [\d.]+ "
+                           r"\(rank [01], \S+\) \| number of skipped iterations: +0 \| number of nan "
                            r"iterations: +0 \| tokens per second: [\d.]+ \| mem: [\d.]+ GB \| ETA: (?:\d+ days?, )?\d+:\d\d:\d\d \|"
                            r"( time to first step \(s\): [\d.]+ \|)?", line)
               for line in out.splitlines() if "] iteration " in line]

@@ -3,8 +3,9 @@
 
     python tools/param_count.py --config lev-1.2b [--tensor-model-parallel-size N] [--json]
     python tools/param_count.py --match-baseline untied-400m [--config lev-400m] [--vary depth|width]
+    python tools/param_count.py --config FACTORIZED.yaml --match-params TARGET.yaml   # embedding_rank
 
-The logic lives in megatron_lev/param_count.py.
+The logic lives in megatron_lev/models/param_count.py.
 """
 import sys
 

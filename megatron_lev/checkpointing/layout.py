@@ -28,6 +28,9 @@ from megatron_lev.utils.errors import CheckpointError
 
 # Where the decoder's LEV embedding (lev.parallel.ParallelLEVEmbedding) keeps the generator's parameters.
 LEV_PREFIX = "embedding.generator."
+# The factorised input side's r -> hidden projection (models/layers.FactorizedEmbedding); its
+# V x r table is `embedding.weight`, split over the vocabulary like every table.
+FACTORIZED_PROJECTION = "embedding.projection.weight"
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,8 @@ def partition_of(name: str, embedding: str) -> Partition:
             return REPLICATED
     if embedding != "lev" and name == "embedding.weight":
         return Partition(0, vocab=True)
+    if embedding == "factorized" and name == FACTORIZED_PROJECTION:
+        return REPLICATED
     raise CheckpointError(f"unknown parameter {name!r} for an embedding={embedding!r} model: the checkpoint "
                           "does not come from this version of megatron_lev.models")
 
@@ -101,7 +106,7 @@ def expected_parameter_names(config: LeviathanConfig) -> list[str]:
     if config.embedding == "lev":
         names = [LEV_PREFIX + p for p in config.lev_config().parameter_names()]
     else:
-        names = ["embedding.weight"]
+        names = ["embedding.weight"] + ([FACTORIZED_PROJECTION] if config.embedding == "factorized" else [])
     for i in range(config.num_layers):
         names += [f"layers.{i}.{suffix}" for suffix in layer_parameter_suffixes(config)]
     names.append("final_norm.weight")

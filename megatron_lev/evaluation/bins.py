@@ -21,10 +21,16 @@ bin:
   difference  the mean over positions of delta_i = mean over seeds of (NLL_model - NLL_baseline)
               at position i, in nats (negative: MODEL better), and exp(difference) - 1 as a
               perplexity change
-  interval    a paired token-level bootstrap: positions of the bin resampled with replacement
-              (`--bootstrap` draws, the same positions for both models and every seed), the
-              2.5 and 97.5 percentiles of the resampled mean; it holds the token sampling error
-              of these validation tokens, not the seed-to-seed spread, which `per_seed` shows
+  interval    a paired bootstrap (`--bootstrap` draws, the same resampling for both models and
+              every seed), the 2.5 and 97.5 percentiles of the resampled mean. With
+              `--block-size N` (issue 42) it resamples blocks of N consecutive positions (the
+              evaluator's sequences when N is the sequence length): a token that recurs within a
+              document piece is one draw, not many, so the rare bins' intervals are not narrowed
+              by that repetition; the bin's mean over a draw is its blocks' summed differences over
+              their summed positions. `--block-size 1` is the token-level bootstrap (each position
+              a draw), whose intervals are too narrow wherever positions are correlated. Either
+              holds the sampling error of these validation tokens, not the seed-to-seed spread,
+              which `per_seed` shows
   signs       per seed, the bin's mean difference, and how many seeds are below / above zero
   t-test      the per-seed differences against 0 (scipy's one-sample test, two-sided p, as in
               megatron_lev.evaluation.seeds): the seed-to-seed spread the bootstrap leaves out
@@ -78,6 +84,30 @@ def bootstrap_mean_interval(values: np.ndarray, draws: int, rng: np.random.Gener
     return float(lo), float(hi)
 
 
+def block_bootstrap_mean_interval(values: np.ndarray, members: np.ndarray, block_size: int, draws: int,
+                                  rng: np.random.Generator, chunk_elements: int = 10_000_000) -> tuple[float, float]:
+    """2.5 / 97.5 percentiles of the mean of values[members] when the blocks of `block_size`
+    consecutive positions (all of them, a block with no member included) are resampled with
+    replacement: each draw's mean is its blocks' summed member values over their member count."""
+    if not members.any():
+        return math.nan, math.nan
+    blocks = -(-values.size // block_size)
+    pad = blocks * block_size - values.size
+    sums = np.pad(np.where(members, values, 0.0), (0, pad)).reshape(blocks, block_size).sum(axis=1)
+    counts = np.pad(members.astype(np.int64), (0, pad)).reshape(blocks, block_size).sum(axis=1)
+    means = np.empty(draws)
+    per_chunk = max(1, chunk_elements // blocks)
+    for start in range(0, draws, per_chunk):
+        stop = min(draws, start + per_chunk)
+        idx = rng.integers(0, blocks, size=(stop - start, blocks))
+        n = counts[idx].sum(axis=1)
+        # A draw of blocks without a member has no mean; with thin bins it can happen: leave it out.
+        with np.errstate(invalid="ignore", divide="ignore"):
+            means[start:stop] = np.where(n > 0, sums[idx].sum(axis=1) / np.maximum(n, 1), np.nan)
+    lo, hi = np.nanquantile(means, [0.025, 0.975])
+    return float(lo), float(hi)
+
+
 SHARED_KEYS = ("input_ids", "label_ids", "train_counts")  # what every file of every seed must agree on
 
 
@@ -121,7 +151,7 @@ def load_seed(seed: str, seed_dirs: str) -> dict:
 
 
 def compare(seeds: dict[str, dict], pairs: list[tuple[str, str]], edges=DEFAULT_EDGES, draws: int = 2000,
-            rng_seed: int = 0) -> dict:
+            rng_seed: int = 0, block_size: int = 1) -> dict:
     first_seed, first = next(iter(seeds.items()))
     for seed, data in seeds.items():
         key = first_difference(data, first)
@@ -139,7 +169,7 @@ def compare(seeds: dict[str, dict], pairs: list[tuple[str, str]], edges=DEFAULT_
     total_train, positions = max(int(counts.sum()), 1), first["input_ids"].size
     rng = np.random.default_rng(rng_seed)
     result = {"edges": list(edges), "bins": labels, "positions": int(positions), "seeds": list(seeds),
-              "bootstrap_draws": draws, "pairs": {}}
+              "bootstrap_draws": draws, "bootstrap_block_size": block_size, "pairs": {}}
     for model, baseline in pairs:
         delta_by_seed = np.stack([data[f"nll/{model}"].astype(np.float64) - data[f"nll/{baseline}"].astype(np.float64)
                                   for data in seeds.values()])
@@ -155,7 +185,8 @@ def compare(seeds: dict[str, dict], pairs: list[tuple[str, str]], edges=DEFAULT_
                 per_seed = {s: (float(delta_by_seed[i, members].mean()) if n else None)
                             for i, s in enumerate(seeds)}
                 diff = float(delta[members].mean()) if n else None
-                lo, hi = bootstrap_mean_interval(delta[members], draws, rng)
+                lo, hi = (bootstrap_mean_interval(delta[members], draws, rng) if block_size == 1 else
+                          block_bootstrap_mean_interval(delta, members, block_size, draws, rng))
                 signs = [v for v in per_seed.values() if v is not None]
                 rows.append({
                     "bin": label, "types": int(type_members.sum()),
@@ -182,7 +213,9 @@ def _p(test: dict) -> str:
 
 
 def bins_markdown(result: dict) -> str:
-    lines = [f"Positions: {result['positions']:,} per seed; seeds {', '.join(result['seeds'])}; paired token-level "
+    block = result.get("bootstrap_block_size", 1)
+    kind = "token-level" if block == 1 else f"block ({block} consecutive positions a block)"
+    lines = [f"Positions: {result['positions']:,} per seed; seeds {', '.join(result['seeds'])}; paired {kind} "
              f"bootstrap of {result['bootstrap_draws']:,} draws.", ""]
     for pair in result["pairs"].values():
         for stratum in STRATA:
@@ -211,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--edges", default=",".join(map(str, DEFAULT_EDGES)),
                    help="lower edges of the bins after the first, ascending integers (default 1,10,100,1000)")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap draws (default 2000)")
+    p.add_argument("--block-size", type=int, default=1,
+                   help="positions per bootstrap block (default 1: each position a draw; the evaluator's "
+                        "sequence length resamples whole sequences)")
     p.add_argument("--rng-seed", type=int, default=0)
     p.add_argument("--output-dir", required=True)
     return p
@@ -228,6 +264,8 @@ def main(argv=None) -> dict:
     try:
         if args.bootstrap < 100:
             raise ValueError(f"--bootstrap {args.bootstrap}: at least 100 draws")
+        if args.block_size < 1:
+            raise ValueError(f"--block-size {args.block_size}: at least 1 position")
         pairs = []
         for spec in args.pair:
             model, sep, baseline = spec.partition(":")
@@ -235,7 +273,7 @@ def main(argv=None) -> dict:
                 raise ValueError(f"--pair {spec!r}: want MODEL:BASELINE")
             pairs.append((model, baseline))
         seeds = {s: load_seed(s, d) for s, d in parse_named(args.seed_dir, "--seed-dir", allow_bare=False).items()}
-        result = compare(seeds, pairs, edges, args.bootstrap, args.rng_seed)
+        result = compare(seeds, pairs, edges, args.bootstrap, args.rng_seed, args.block_size)
     except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"megatron_lev.evaluation.bins: error: {exc}") from None
     markdown = bins_markdown(result)

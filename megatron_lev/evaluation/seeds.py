@@ -71,6 +71,18 @@ def paired_t_test(per_seed: dict) -> dict:
     return {"t": float(result.statistic), "p": float(result.pvalue), "n": len(values)}
 
 
+def holm(p_values: dict) -> dict:
+    """Holm's step-down adjustment of a family of p-values (None stays None): the k-th smallest
+    of m is multiplied by m - k + 1, and each adjusted value is at least the one before it (capped
+    at 1). A family-wise error of 5% holds for the hypotheses whose adjusted p is below 0.05."""
+    defined = sorted(((p, name) for name, p in p_values.items() if p is not None), key=lambda item: item[0])
+    adjusted, running = {name: None for name in p_values}, 0.0
+    for k, (p, name) in enumerate(defined):
+        running = max(running, min(1.0, (len(defined) - k) * p))
+        adjusted[name] = running
+    return adjusted
+
+
 def difference_slope(model_path: str, baseline_path: str, metric: str = "valid_loss") -> float:
     """Slope of (MODEL - BASELINE) validation loss against ln(tokens), on the baseline's logged
     tokens (MODEL interpolated onto them), from the first logged point on."""

@@ -66,7 +66,9 @@ def model_card(name: str, cfg: LeviathanConfig, parameters: int, dtype: torch.dt
     remote = cfg.embedding == "lev" and not materialize
     kind = ("Leviathan (LEV embedding generator, remote code LevForCausalLM)" if remote else
             "LLaMA-architecture decoder (LlamaForCausalLM)" +
-            (", LEV embeddings materialized into a table" if cfg.embedding == "lev" else f", {cfg.embedding} embeddings"))
+            ({"lev": ", LEV embeddings materialized into a table",
+              "factorized": ", factorised embeddings (table x projection) materialized into a table"}.get(
+                cfg.embedding, f", {cfg.embedding} embeddings")))
     meta = {"library_name": "transformers", "pipeline_tag": "text-generation",
             "tags": ["megatron_lev", "leviathan" if cfg.embedding == "lev" else "llama", "llama"]}
     if provenance.valid_loss is not None:

@@ -31,7 +31,8 @@ def add_export_flags(p: argparse.ArgumentParser, *, tokenizer_type_help: str, to
     p.add_argument("--vocab-file", help="GPT2BPETokenizer: GPT-2's vocab.json (default: the checkpoint's)")
     p.add_argument("--merge-file", help="GPT2BPETokenizer: GPT-2's merges.txt (default: the checkpoint's)")
     p.add_argument("--materialize-embeddings", action="store_true",
-                   help="lev models: write the generated V x D table, loadable as a standard LlamaForCausalLM")
+                   help="lev models: write the generated V x D table, factorized ones the table times the "
+                        "projection, loadable as a standard LlamaForCausalLM")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
 
 

@@ -15,7 +15,9 @@ the model card, with Hub model-index metadata.)
 `embedding: lev` becomes `LevForCausalLM` (remote code, `auto_map`); with
 `materialize_embeddings` the generator is evaluated on every id and written as the
 `embed_tokens` table of a standard `LlamaForCausalLM`. `tied` / `untied` are standard
-`LlamaForCausalLM` (tied through `tie_word_embeddings`).
+`LlamaForCausalLM` (tied through `tie_word_embeddings`; a frozen untied table is exported as it
+is). `factorized` exports only with `materialize_embeddings`: the V x r table times the r -> hidden
+projection is the `embed_tokens` table of an untied `LlamaForCausalLM`.
 
 Name mapping (ours -> transformers'), per layer i:
 
@@ -43,7 +45,7 @@ from typing import Optional
 
 import torch
 
-from megatron_lev.checkpointing.layout import LEV_PREFIX, expected_parameter_names
+from megatron_lev.checkpointing.layout import FACTORIZED_PROJECTION, LEV_PREFIX, expected_parameter_names
 from megatron_lev.hf.card import Provenance, model_card, run_provenance
 from megatron_lev.hf.tokenizers import (SpecialTokens, infer_tokenizer_type, load_tokenizer, special_tokens,
                                         write_tokenizer)
@@ -102,6 +104,15 @@ def materialize_lev_table(full: dict[str, torch.Tensor], cfg: LeviathanConfig, c
                       progress_bar(range(0, cfg.vocab_size, chunk), "materializing LEV embeddings", unit="chunk")])
 
 
+@torch.no_grad()
+def materialize_factorized_table(full: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The factorised input side as one [vocab_size, hidden] table: the V x r table times the
+    r -> hidden projection (in float64, rounded once to the table's dtype), so that row i is the
+    model's embedding of id i up to that rounding."""
+    table, projection = full["embedding.weight"], full[FACTORIZED_PROJECTION]
+    return (table.double() @ projection.double().t()).to(table.dtype)
+
+
 def _layer_map(cfg: LeviathanConfig) -> dict[str, str]:
     return {**_LAYER_MAP, **(_QK_NORM_MAP if cfg.qk_layernorm else {})}
 
@@ -116,6 +127,8 @@ def to_hf_state_dict(full: dict[str, torch.Tensor], cfg: LeviathanConfig, materi
             for name, tensor in full.items():
                 if name.startswith(LEV_PREFIX):
                     out[HF_LEV_PREFIX + name[len(LEV_PREFIX):]] = tensor
+    elif cfg.embedding == "factorized":  # materialized only (check_export_kind)
+        out["model.embed_tokens.weight"] = materialize_factorized_table(full)
     else:
         out["model.embed_tokens.weight"] = full["embedding.weight"]
     for i in range(cfg.num_layers):
@@ -186,12 +199,26 @@ def hf_config(cfg: LeviathanConfig, tokens: SpecialTokens, dtype: torch.dtype, m
     else:
         config = LlamaConfig(**common)
         config.architectures = ["LlamaForCausalLM"]
-        # A table model from here on (materialized LEV: untied); no generator fields.
-        section = {**section, "embedding": "tied" if cfg.embedding == "tied" else "untied", "lev": {}}
+        # A table model from here on (materialized LEV or factorised table: untied); no generator fields.
+        section = {**section, "embedding": "tied" if cfg.embedding == "tied" else "untied", "lev": {},
+                   "embedding_rank": None}
     config.dtype = dtype
     config.rope_theta = float(cfg.rotary_base)  # for tools that read config.json's LLaMA-v4 key (llama.cpp)
     setattr(config, MODEL_SECTION_KEY, section)
     return config
+
+
+def check_export_kind(cfg: LeviathanConfig, materialize: bool) -> None:
+    """Refuse, before any tensor is read, an input side a Hugging Face folder cannot hold."""
+    if materialize and cfg.embedding not in ("lev", "factorized"):
+        raise ExportError(f"--materialize-embeddings: only for embedding: lev or factorized models (this one is "
+                          f"{cfg.embedding})")
+    if cfg.embedding == "factorized" and not materialize:
+        raise ExportError("embedding: factorized: no transformers architecture has a factorised input side (a V x r "
+                          "table and an r -> hidden projection); export with --materialize-embeddings, which writes "
+                          "their product as the table of an untied LlamaForCausalLM")
+    if materialize or cfg.embedding != "lev":
+        check_llama_export(cfg, materialize)
 
 
 def check_llama_export(cfg: LeviathanConfig, materialize: bool) -> None:
@@ -307,10 +334,7 @@ def save_hf_model(full: dict[str, torch.Tensor], cfg: LeviathanConfig, output: s
     """Write a full state dict as a Hugging Face folder (temp folder, renamed when complete)."""
     from transformers import GenerationConfig
 
-    if materialize and cfg.embedding != "lev":
-        raise ExportError(f"--materialize-embeddings: only for embedding: lev models (this one is {cfg.embedding})")
-    if materialize or cfg.embedding != "lev":
-        check_llama_export(cfg, materialize)
+    check_export_kind(cfg, materialize)
     dtype = dtype or next(iter(full.values())).dtype
     tokens = special_tokens(tokenizer)
     tmp = _prepare_output(output)
@@ -352,6 +376,7 @@ def export_checkpoint(load_dir: str, output: str, iteration: Optional[int] = Non
         raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     info = find_checkpoint(load_dir, iteration)
     cfg = info.model_config()
+    check_export_kind(cfg, materialize)
     training = info.config.get("training") or {}
     flag = "--tokenizer-model"
     if tokenizer_model is None:

@@ -7,7 +7,9 @@ LEV_SPEC.md section 1):
 2. seed     `z = sum_r codebooks[r, digit_r]`                                 [d_s]
 3. per head `l`:  `x = sigmoid(LayerNorm_l(w_seed[l] @ z) / 2)`, in [0, 1]     [d_s]
 4. basis    quadratic B-spline weights of each `x_d` on `kappa` uniform knots,
-            normalised to sum to 1 (at most 3 are non-zero);
+            normalised to sum to 1 (at most 3 are non-zero); options (KHRONOS's):
+            `knot_scale_learnable` t = |x_d - g_j| * s[l, d], s learned (from kappa - 1),
+            `basis_normalize: false` the weights not divided by their sum;
 5. modes    `phi[d, q] = sum_j B_j(x_d) * (1 + delta[l, d, j, q])`,
             `M_l[q] = prod_d phi[d, q]`, the spec's sign parity * exp(sum_d log(|phi| + eps))
             computed as float32 products of 16 factors combined by a sum of their logs,
@@ -31,6 +33,7 @@ head_end)` stores only those rows, so merging TP shards is a concatenation along
     ln_beta    [h, d_s]              per-head LayerNorm shift
     delta      [h, d_s, kappa, r]    mode coefficients, S = 1 + delta
     w_out      [h, r, D]             per-head aggregation to the model width
+    knot_scale [h, d_s]              per-dimension knot scale (`knot_scale_learnable` only)
     out_norm_weight [D]              RMSNorm gain of the embedding (`output_norm` only; replicated)
 """
 from __future__ import annotations
@@ -45,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 DIGIT_ORDERS = ("msb_first", "lsb_first")
-HEAD_SHARDED_PARAMETERS = ("w_seed", "ln_gamma", "ln_beta", "delta", "w_out")
+HEAD_SHARDED_PARAMETERS = ("w_seed", "ln_gamma", "ln_beta", "delta", "w_out", "knot_scale")  # knot_scale: optional
 REPLICATED_PARAMETERS = ("codebooks", "out_norm_weight")  # out_norm_weight: with `output_norm` only
 # Rows are evaluated in multiples of this many (padded with id 0). BLAS libraries pick different
 # kernels for very small matrices (MKL: fewer than ~12 rows), which round differently; a fixed minimum
@@ -92,6 +95,12 @@ class LEVConfig:
     ln_gain_init: float = 1.0  # LayerNorm gain gamma at init; 3.63 spreads x = sigmoid(u / 2) over every knot
     output_norm: bool = False  # RMSNorm of the embedding (after the sum over all heads), learned gain
     output_norm_init: float = 0.02  # that gain at init: an N(0, 0.02) table's RMS
+    # The basis as the author's KHRONOS layer builds it (docs/lev.md, "The author's training").
+    knot_scale_learnable: bool = False  # t = |x - g_j| * s[l, d], s a parameter initialised to kappa - 1
+    basis_normalize: bool = True  # divide the weights by their sum (the spec); KHRONOS does not
+
+    spec_basis = property(lambda self: self.basis_normalize and not self.knot_scale_learnable,
+                          doc="The spec's basis (fixed scale, normalised): the 3-knot form, the fused kernels.")
 
     def __post_init__(self):
         self.validate()
@@ -118,7 +127,7 @@ class LEVConfig:
                     and (value > 0 if minimum is None else value >= minimum))):
                 raise ValueError(f"LEVConfig.{name}={value!r} must be a finite number "
                                  f"{'> 0' if minimum is None else '>= 0'}{' or None' * (name == 'init_embedding_rms')}")
-        for name in ("init_remove_shared", "output_norm"):
+        for name in ("init_remove_shared", "output_norm", "knot_scale_learnable", "basis_normalize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LEVConfig.{name}={getattr(self, name)!r} must be true or false")
         if self.digit_order not in DIGIT_ORDERS:
@@ -137,15 +146,17 @@ class LEVConfig:
         return self
 
     def num_parameters(self) -> int:
-        """Spec formula: k*b*d_s + h*(d_s^2 + 2*d_s) + h*d_s*kappa*r + h*r*D (+ D with `output_norm`)."""
+        """Spec formula: k*b*d_s + h*(d_s^2 + 2*d_s) + h*d_s*kappa*r + h*r*D (+ D with `output_norm`,
+        + h*d_s with `knot_scale_learnable`)."""
         k, b, ds, h = self.num_coordinates, self.base, self.seed_dim, self.num_heads
         kappa, r, d = self.num_knots, self.num_modes, self.hidden_size
-        return k * b * ds + h * (ds * ds + 2 * ds) + h * ds * kappa * r + h * r * d + d * self.output_norm
+        return (k * b * ds + h * (ds * ds + 2 * ds) + h * ds * kappa * r + h * r * d + d * self.output_norm
+                + h * ds * self.knot_scale_learnable)
 
     def parameter_names(self) -> tuple[str, ...]:
         """The generator's parameters, replicated ones first (what a full state dict holds)."""
-        return tuple(n for n in (*REPLICATED_PARAMETERS, *HEAD_SHARDED_PARAMETERS)
-                     if n != "out_norm_weight" or self.output_norm)
+        optional = {"out_norm_weight": self.output_norm, "knot_scale": self.knot_scale_learnable}
+        return tuple(n for n in (*REPLICATED_PARAMETERS, *HEAD_SHARDED_PARAMETERS) if optional.get(n, True))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -208,11 +219,6 @@ def _dense_basis(knots: torch.Tensor, weights: torch.Tensor, num_knots: int) -> 
     return dense.scatter_add_(-1, knots, weights.permute(1, 2, 0, 3))
 
 
-def _exception_line(exc: BaseException) -> str:
-    """'TypeName: first line of the message' (at most 200 characters of it), for a warning."""
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
-
-
 # The mode product (spec step 5 and "Overflow"), computed the same way here and in lev/kernels.py
 # (docs/lev.md derives its float32 error bound):
 #   phi' = phi + copysign(eps, phi)           |phi'| = |phi| + eps, the sign of phi: the spec's eps form,
@@ -249,33 +255,21 @@ def mode_gradient_weight(grad_modes: torch.Tensor, modes: torch.Tensor) -> torch
     return torch.where(modes.abs() < MODE_MAX, grad_modes.to(torch.float32) * modes, 0.0)
 
 
-# On CPU `mode_product` runs compiled by torch.compile (inductor: one loop over phi instead
-# of several passes, 6-10x faster at the demo's shapes), falling back to eager once, with a
-# warning, where compilation fails (no C++ compiler). Shapes are dynamic: one compilation
-# serves every number of ids. Set False for the eager reference.
-COMPILE_CPU_MODE_PRODUCT = True
-_compiled_mode_product = None
+@functools.lru_cache(maxsize=None)
+def _dispatch():
+    """megatron_lev.lev.dispatch (the compiled CPU mode product, the fused CUDA kernels), or None
+    outside the package: an HF export folder, where this file is copied alone as lev.py, takes the
+    eager PyTorch path (the same math)."""
+    try:
+        from megatron_lev.lev import dispatch
+    except ImportError:
+        return None
+    return dispatch
 
 
 def _mode_product_function(device: torch.device) -> Callable:
-    return _compiled_cpu_mode_product if device.type == "cpu" and COMPILE_CPU_MODE_PRODUCT else mode_product
-
-
-def _compiled_cpu_mode_product(phi: torch.Tensor, eps: float):
-    global _compiled_mode_product
-    if _compiled_mode_product is False:  # compilation failed earlier in this process
-        return mode_product(phi, eps)
-    if _compiled_mode_product is None:
-        _compiled_mode_product = torch.compile(mode_product, dynamic=True)
-    try:  # compiles on the first call, and again for a new model's shapes
-        return _compiled_mode_product(phi, eps)
-    except Exception as exc:  # noqa: BLE001 - any compiler failure: keep training, eagerly
-        import warnings
-
-        warnings.warn(f"LEV: torch.compile of the CPU mode product failed, using eager PyTorch "
-                      f"(slower, same math): {_exception_line(exc)}")
-        _compiled_mode_product = False
-        return mode_product(phi, eps)
+    dispatch = _dispatch()
+    return dispatch.cpu_mode_product(mode_product) if dispatch is not None and device.type == "cpu" else mode_product
 
 
 class _SeparableModes(torch.autograd.Function):
@@ -290,18 +284,11 @@ class _SeparableModes(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, coeffs, eps):
-        n, h, _ = x.shape
         kappa = coeffs.shape[2]
         center, weights, *dweights = bspline_basis(x, kappa, with_derivative=ctx.needs_input_grad[0])
         knots = _neighbour_knots(center, kappa)  # [h, d, n, 3]
         basis = _dense_basis(knots, weights, kappa)  # [h, d, n, kappa]
-        product = _mode_product_function(x.device)
-        modes, factors = [], []
-        for l in range(h):
-            head_modes, head_factor = product(torch.bmm(basis[l], coeffs[l]), eps)  # phi [d, n, r]
-            modes.append(head_modes)
-            factors.append(head_factor)
-        modes = torch.stack(modes, dim=1)  # [n, h, r]
+        modes, factors = _modes_of_basis(basis, coeffs, eps)
         ctx.save_for_backward(coeffs, modes, basis, knots, *dweights, *factors)
         return modes
 
@@ -318,76 +305,80 @@ class _SeparableModes(torch.autograd.Function):
         n, (h, d) = modes.shape[0], coeffs.shape[:2]
         grad_x = torch.empty(n, h, d, dtype=torch.float32, device=modes.device) if ctx.needs_input_grad[0] else None
         grad_coeffs = torch.empty_like(coeffs) if ctx.needs_input_grad[1] else None
-        g = mode_gradient_weight(grad_modes, modes)  # [n, h, r]
-        for l in range(h):
-            # In place on the saved factor: a second backward through this graph fails
-            # loudly (autograd's saved-tensor version check) instead of reading it twice.
-            grad_phi = factor[l].mul_(g[:, l])  # [d, n, r]
-            if grad_coeffs is not None:
-                torch.bmm(basis[l].transpose(1, 2), grad_phi, out=grad_coeffs[l])
+        for l, grad_phi in _head_mode_gradients(factor, grad_modes, modes, basis, coeffs, grad_coeffs):
             if grad_x is not None:
                 grad_weights = torch.bmm(grad_phi, coeffs[l].transpose(1, 2)).gather(-1, knots[l])  # [d, n, 3]
                 grad_x[:, l] = (grad_weights.transpose(0, 1) * dweights[:, l]).sum(-1)
         return grad_x, grad_coeffs, None
 
 
-# Devices whose tensors take the fused kernels of lev/kernels.py (when Triton imports): on CUDA
-# they replace the per-head loop with one forward and one backward kernel. The CPU keeps the
-# `bmm` path: faster there than the 3-knot gather form, and its bit-exactness is verified.
-FUSED_MODES_DEVICES = ("cuda",)
+def _modes_of_basis(basis: torch.Tensor, coeffs: torch.Tensor, eps: float):
+    """Dense basis [h, d, n, kappa] and S [h, d, kappa, r] -> (modes [n, h, r], per-head 1 / phi'
+    [d, n, r]): per head one batched matmul forms phi, `mode_product` reduces it."""
+    product = _mode_product_function(basis.device)
+    modes, factors = [], []
+    for l in range(basis.shape[0]):
+        head_modes, head_factor = product(torch.bmm(basis[l], coeffs[l]), eps)  # phi [d, n, r]
+        modes.append(head_modes)
+        factors.append(head_factor)
+    return torch.stack(modes, dim=1), factors
 
 
-@functools.lru_cache(maxsize=None)
-def _fused_kernels():
-    """megatron_lev.lev.kernels, or None without Triton (or outside the package, as in an
-    HF export, where this file is copied alone as lev.py)."""
-    try:
-        from megatron_lev.lev import kernels
-    except ImportError:
-        return None
-    except Exception as exc:  # noqa: BLE001 - Triton installed but broken: the PyTorch path, said once
-        import warnings
-
-        warnings.warn(f"LEV: Triton failed to import, using the PyTorch path (same math, slower): "
-                      f"{_exception_line(exc)}")
-        return None
-    return kernels
+def _head_mode_gradients(factor, grad_modes, modes, basis, coeffs, grad_coeffs):
+    """Yields (head, dL/dphi [d, n, r]) and fills grad_coeffs (when not None) on the way. In place
+    on the saved factor: a second backward fails loudly (autograd's version check)."""
+    g = mode_gradient_weight(grad_modes, modes)  # [n, h, r]
+    for l in range(coeffs.shape[0]):
+        grad_phi = factor[l].mul_(g[:, l])
+        if grad_coeffs is not None:
+            torch.bmm(basis[l].transpose(1, 2), grad_phi, out=grad_coeffs[l])
+        yield l, grad_phi
 
 
-# The reason the fused kernels failed to compile or launch in this process (e.g. no C compiler or
-# no Python.h for Triton's launcher): every later call takes the PyTorch path (the same modes).
-fused_modes_failure: Optional[str] = None
+def general_basis(x: torch.Tensor, num_knots: int, knot_scale: Optional[torch.Tensor] = None,
+                  normalize: bool = True) -> torch.Tensor:
+    """x [n, h, d] in [0, 1] -> dense basis [h, d, n, kappa] in autograd ops (the author's options):
+    B_j the quadratic B-spline of t = |x - j / (kappa - 1)| * s, s = knot_scale[h, d] (default kappa
+    - 1), divided by the weights' sum when `normalize` (a sum of 0, from a scale above 3 (kappa - 1),
+    leaves them 0)."""
+    grid = torch.arange(num_knots, device=x.device, dtype=torch.float32) / (num_knots - 1)
+    scale = float(num_knots - 1) if knot_scale is None else knot_scale.to(torch.float32)[..., None, None]
+    t = (x.to(torch.float32).permute(1, 2, 0).unsqueeze(-1) - grid).abs() * scale
+    basis = torch.where(t < 0.5, 0.75 - t * t, torch.where(t < 1.5, 0.5 * (1.5 - t).square(), torch.zeros_like(t)))
+    if normalize:
+        basis = basis / basis.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return basis
 
 
-def uses_fused_modes(device: torch.device) -> bool:
-    if device.type not in FUSED_MODES_DEVICES or fused_modes_failure is not None:
-        return False
-    kernels = _fused_kernels()
-    return kernels is not None and kernels.available(device)
+class _BasisModes(torch.autograd.Function):
+    """`_SeparableModes` with a given dense basis [h, d, n, kappa] (`general_basis`) as the input:
+    autograd carries dL/dbasis back to x and the learned knot scale."""
 
+    @staticmethod
+    def forward(ctx, basis, coeffs, eps):
+        modes, factors = _modes_of_basis(basis, coeffs, eps)
+        ctx.save_for_backward(coeffs, modes, basis, *factors)
+        return modes
 
-def _fused_separable_modes(x: torch.Tensor, delta: torch.Tensor, eps: float) -> Optional[torch.Tensor]:
-    """The fused kernels' modes, or None (after one warning) where Triton cannot compile or launch
-    them. The first call per shape also runs the backward kernel (kernels.py), so a failure shows
-    here, in forward, where the PyTorch path can still take over."""
-    global fused_modes_failure
-    try:
-        return _fused_kernels().separable_modes(x, delta, eps, chunk=MODE_CHUNK, mode_max=MODE_MAX)
-    except Exception as exc:  # noqa: BLE001 - any compiler or launch failure: keep training
-        import warnings
-
-        fused_modes_failure = _exception_line(exc)
-        warnings.warn(f"LEV: the fused Triton kernels failed on {x.device.type}, using the PyTorch path "
-                      f"(same math, slower): {fused_modes_failure}")
-        return None
+    @staticmethod
+    def backward(ctx, grad_modes):
+        with torch.autocast(grad_modes.device.type, enabled=False):
+            coeffs, modes, basis, *factor = ctx.saved_tensors
+            grad_basis = torch.empty_like(basis) if ctx.needs_input_grad[0] else None
+            grad_coeffs = torch.empty_like(coeffs) if ctx.needs_input_grad[1] else None
+            for l, grad_phi in _head_mode_gradients(factor, grad_modes, modes, basis, coeffs, grad_coeffs):
+                if grad_basis is not None:
+                    torch.bmm(grad_phi, coeffs[l].transpose(1, 2), out=grad_basis[l])
+            return grad_basis, grad_coeffs, None
 
 
 def separable_modes(x: torch.Tensor, delta: torch.Tensor, eps: float = 1e-9) -> torch.Tensor:
     """x [n, h, d_s] in [0, 1], delta [h, d_s, kappa, r] (S = 1 + delta) -> modes [n, h, r];
     float32 inside whatever the dtype of x and delta, and under autocast."""
     with torch.autocast(x.device.type, enabled=False):
-        if uses_fused_modes(x.device):
-            modes = _fused_separable_modes(x, delta, eps)
+        dispatch = _dispatch()
+        if dispatch is not None and dispatch.uses_fused_modes(x.device):
+            modes = dispatch.fused_separable_modes(x, delta, eps, chunk=MODE_CHUNK, mode_max=MODE_MAX)
             if modes is not None:
                 return modes
         return _SeparableModes.apply(x.to(torch.float32), 1.0 + delta.to(torch.float32), eps)
@@ -415,6 +406,8 @@ def init_lev_parameters(config: LEVConfig, generator: torch.Generator) -> dict[s
         params["w_out"] = calibrate_w_out(config, params)
     if config.output_norm:
         params["out_norm_weight"] = torch.full((d,), float(config.output_norm_init))
+    if config.knot_scale_learnable:  # KHRONOS' init: the spec's fixed scale, kappa - 1
+        params["knot_scale"] = torch.full((h, ds), float(kappa - 1))
     return params
 
 
@@ -457,7 +450,12 @@ def seed_modes(config: LEVConfig, params: dict[str, torch.Tensor], z: torch.Tens
     h = params["w_seed"].shape[0]
     u = (z.to(f32) @ params["w_seed"].to(f32).reshape(h * ds, ds).t()).view(-1, h, ds)
     u = F.layer_norm(u, (ds,), eps=config.layernorm_eps) * params["ln_gamma"].to(f32) + params["ln_beta"].to(f32)
-    return separable_modes(torch.sigmoid(0.5 * u), params["delta"], config.log_eps)
+    x = torch.sigmoid(0.5 * u)
+    if config.spec_basis:
+        return separable_modes(x, params["delta"], config.log_eps)
+    with torch.autocast(x.device.type, enabled=False):  # the author's basis: the PyTorch path on every device
+        basis = general_basis(x, config.num_knots, params.get("knot_scale"), config.basis_normalize)
+        return _BasisModes.apply(basis, 1.0 + params["delta"].to(f32), config.log_eps)
 
 
 def pad_to_row_block(ids: torch.Tensor) -> torch.Tensor:
@@ -515,6 +513,8 @@ class LEVGenerator(torch.nn.Module):
         self.w_out = torch.nn.Parameter(torch.empty(h, r, d, **factory))
         if config.output_norm:
             self.out_norm_weight = torch.nn.Parameter(torch.empty(d, **factory))
+        if config.knot_scale_learnable:
+            self.knot_scale = torch.nn.Parameter(torch.empty(h, ds, **factory))
         self.reset_parameters()
 
     @property
@@ -546,7 +546,8 @@ class LEVGenerator(torch.nn.Module):
 
     def heads(self, z: torch.Tensor) -> torch.Tensor:
         """z [n, d_s] -> sum over this module's heads of M_l @ w_out[l], float32 [n, D]."""
-        params = {name: getattr(self, name) for name in ("w_seed", "ln_gamma", "ln_beta", "delta")}
+        params = {name: getattr(self, name) for name in ("w_seed", "ln_gamma", "ln_beta", "delta", "knot_scale")
+                  if hasattr(self, name)}
         modes = seed_modes(self.config, params, z)  # [n, h, r]
         h, r = self.num_local_heads, self.config.num_modes
         return modes.reshape(-1, h * r) @ self.w_out.to(torch.float32).reshape(h * r, -1)

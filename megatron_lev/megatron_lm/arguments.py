@@ -77,15 +77,19 @@ def register_lev_args() -> None:
     arguments.add_megatron_arguments = add_megatron_and_lev_arguments
 
 
+def lev_values(args) -> dict:
+    """LEVConfig's fields from the --lev-* flags of a namespace. A namespace with none of them was
+    parsed without add_lev_args: refused. One saved before a field existed (the arguments of an
+    older checkpoint) lacks only that field: its default, the generator that checkpoint trained."""
+    if not any(hasattr(args, "lev_" + field.name) for field in lev_fields()):
+        raise ValueError(f"{flag_name(lev_fields()[0].name)}: missing from Megatron-LM's arguments (pass "
+                         "extra_args_provider=megatron_lev.megatron_lm.add_lev_args to pretrain())")
+    return {field.name: getattr(args, "lev_" + field.name, field.default) for field in lev_fields()}
+
+
 def lev_config_from_args(args, vocab_size: int) -> LEVConfig:
     """The generator's config: the --lev-* flags, `vocab_size` (the tokenizer's, unpadded) and --hidden-size."""
-    values = {}
-    for field in lev_fields():
-        dest = "lev_" + field.name
-        if not hasattr(args, dest):
-            raise ValueError(f"{flag_name(field.name)}: missing from Megatron-LM's arguments (pass "
-                             "extra_args_provider=megatron_lev.megatron_lm.add_lev_args to pretrain())")
-        values[field.name] = getattr(args, dest)
+    values = lev_values(args)
     try:
         return LEVConfig(vocab_size=vocab_size, hidden_size=args.hidden_size, **values)
     except ValueError as exc:
@@ -95,8 +99,7 @@ def lev_config_from_args(args, vocab_size: int) -> LEVConfig:
 def model_section_from_args(args, vocab_size: int) -> dict:
     """This project's `model:` section for the model Megatron-LM's namespace `args` builds
     (models/settings.py reads the settings; the --lev-* flags give the generator's fields)."""
-    section = model_section_from_megatron_args(args, vocab_size, {f.name: getattr(args, "lev_" + f.name)
-                                                                  for f in lev_fields()})
+    section = model_section_from_megatron_args(args, vocab_size, lev_values(args))
     assert set(section) == set(MODEL_FIELDS), sorted(set(section) ^ set(MODEL_FIELDS))
     return section
 

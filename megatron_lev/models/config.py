@@ -4,15 +4,14 @@ seed), built from a YAML `model:` section by `model_config_from_dict`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_lev.lev.generator import LEVConfig
-
-EMBEDDING_KINDS = ("lev", "tied", "untied")
+from megatron_lev.models.settings import EMBEDDING_KINDS
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
@@ -34,7 +33,13 @@ class LeviathanConfig(TransformerConfig):
     that section back (what checkpoints and the HF export store).
     """
 
-    embedding: str = "lev"  # lev | tied | untied
+    embedding: str = "lev"  # lev | tied | untied | factorized
+    # factorized only: the rank r of the input side's V x r table (then an r -> hidden projection).
+    embedding_rank: Optional[int] = None
+    # untied only: the input table keeps its random initialisation and is never trained (no
+    # gradient, no optimizer state, no weight decay); the body and the head learn. The floor
+    # any learned input side should clear.
+    freeze_input_embedding: bool = False
     vocab_size: int = 50304  # the tokenizer's vocabulary (50,304: GPT-NeoX/Pile; the papers: ~200k)
     make_vocab_size_divisible_by: int = 128
     seq_length: int = 2048
@@ -117,6 +122,18 @@ class LeviathanConfig(TransformerConfig):
             raise ValueError("fp16: not supported, use bf16")
         if not isinstance(self.lev, dict):
             raise ValueError(f"lev: must be a mapping of LEVConfig fields, got {self.lev!r}")
+        if not isinstance(self.freeze_input_embedding, bool):
+            raise ValueError(f"freeze_input_embedding: must be true or false, got {self.freeze_input_embedding!r}")
+        if self.freeze_input_embedding and self.embedding != "untied":
+            raise ValueError(f"freeze_input_embedding: only for embedding: untied (this model's input side is "
+                             f"{self.embedding}; a frozen tied table would freeze the output head too)")
+        rank = self.embedding_rank
+        if self.embedding == "factorized" and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+            raise ValueError(f"embedding_rank: embedding: factorized needs the rank r of its V x r table, a positive "
+                             f"integer (--embedding-rank), got {rank!r}")
+        if self.embedding != "factorized" and rank is not None:
+            raise ValueError(f"embedding_rank: only for embedding: factorized (this model's input side is "
+                             f"{self.embedding})")
         if self.embedding == "lev":
             self.lev_config().validate(tp)
 
@@ -144,13 +161,14 @@ class LeviathanConfig(TransformerConfig):
 
 # Fields of a YAML `model:` section (all LeviathanConfig / TransformerConfig names).
 MODEL_FIELDS = (
-    "embedding", "vocab_size", "make_vocab_size_divisible_by", "num_layers", "hidden_size",
-    "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "seq_length",
-    "rotary_base", "rotary_percent", "rope_scaling", "rope_scaling_factor", "qk_layernorm", "layernorm_epsilon",
-    "init_method_std", "hidden_dropout", "attention_dropout", "init_seed", "lev",
+    "embedding", "freeze_input_embedding", "embedding_rank", "vocab_size", "make_vocab_size_divisible_by",
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "seq_length", "rotary_base", "rotary_percent", "rope_scaling", "rope_scaling_factor", "qk_layernorm",
+    "layernorm_epsilon", "init_method_std", "hidden_dropout", "attention_dropout", "init_seed", "lev",
 )
 # What a model section written before a field existed was built with (checkpoints, exports).
-FIELD_DEFAULTS = {"rotary_percent": 1.0, "rope_scaling": False, "rope_scaling_factor": 8.0, "qk_layernorm": False}
+FIELD_DEFAULTS = {"rotary_percent": 1.0, "rope_scaling": False, "rope_scaling_factor": 8.0, "qk_layernorm": False,
+                  "freeze_input_embedding": False, "embedding_rank": None}
 
 
 def model_config_from_dict(model_section: dict, *, tensor_model_parallel_size: int = 1,

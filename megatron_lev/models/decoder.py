@@ -1,6 +1,7 @@
 """The Leviathan decoder: a LLaMA-style transformer on megatron-core's tensor-parallel layers.
 
-    embedding (LEV generator | vocab table)  ->  num_layers x DecoderLayer  ->  final_norm  ->  output_layer
+    embedding (LEV generator | vocab table | factorised table)  ->  num_layers x DecoderLayer
+        ->  final_norm  ->  output_layer
 
 Each DecoderLayer is pre-RMSNorm, RoPE self-attention (grouped-query optional) through
 `F.scaled_dot_product_attention(is_causal=True)` and a SwiGLU MLP; no biases anywhere.
@@ -8,7 +9,10 @@ The input side is chosen by `embedding` (LEV_SPEC.md section 4):
 
     lev      LEV generator (lev.parallel.ParallelLEVEmbedding)   + untied head   (Leviathan, v2)
     tied     vocab-parallel table                                 = the head      (v2 baseline)
-    untied   vocab-parallel table                                 + untied head   (v1 baseline)
+    untied   vocab-parallel table                                 + untied head   (v1 baseline;
+             `freeze_input_embedding`: the table never trained, the floor of issue 42)
+    factorized  vocab-parallel V x r table, r -> H projection     + untied head   (ALBERT's;
+             r = `embedding_rank`; layers.FactorizedEmbedding says how it is initialised)
 
 Why not megatron-core's GPTModel: its RoPE and attention assume CUDA. Everything here runs on
 CPU (gloo) and on GPU, where SDPA picks flash kernels. The config *is* megatron-core's
@@ -32,6 +36,8 @@ Shapes are global; "TP split" says how each rank's shard is cut from the global 
 | name                                   | global shape              | TP split                      |
 | -------------------------------------- | ------------------------- | ----------------------------- |
 | embedding.weight (tied, untied)        | [Vp, H]                   | dim 0, contiguous (vocab)     |
+| embedding.weight (factorized)          | [Vp, r]                   | dim 0, contiguous (vocab)     |
+| embedding.projection.weight (fact.)    | [H, r]                    | replicated                    |
 | embedding.generator.codebooks (lev)    | [k, b, d_s]               | replicated                    |
 | embedding.generator.{w_seed, ln_gamma, | [h_lev, ...]              | dim 0 (LEV head), contiguous  |
 |   ln_beta, delta, w_out} (lev)         |   (shapes: lev/generator.py)|                               |
@@ -42,7 +48,7 @@ Shapes are global; "TP split" says how each rank's shard is cut from the global 
 | layers.{i}.mlp.gate_up.weight          | [2 F, H]                  | dim 0, stride 2 (see below)   |
 | layers.{i}.mlp.down.weight             | [H, F]                    | dim 1, contiguous             |
 | final_norm.weight                      | [H]                       | replicated                    |
-| output_layer.weight (lev, untied)      | [Vp, H]                   | dim 0, contiguous (vocab)     |
+| output_layer.weight (all but tied)     | [Vp, H]                   | dim 0, contiguous (vocab)     |
 
 - qkv rows are grouped by kv head (Megatron's layout): for each of the `ng` query groups,
   `nh/ng` query heads then one key head then one value head, each `dh` rows. A contiguous TP

@@ -7,59 +7,31 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from megatron.core import parallel_state
-from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from megatron_lev.lev.generator import calibration_ids
-from megatron_lev.lev.parallel import ParallelLEVEmbedding
-from megatron_lev.models.layers import VocabEmbedding
+from megatron_lev.models.embedding_stats import embed_ids, input_embedding_module, mean_pairwise_cosine, rms
 
 
 def embedding_statistics(embeddings: torch.Tensor) -> tuple[float, float]:
     """embeddings [n, D] -> (RMS over all entries, mean cosine over the n(n-1) ordered pairs of distinct rows)."""
-    e = embeddings.double()
-    unit = e / e.norm(dim=1, keepdim=True).clamp_min(1e-30)
-    n = len(e)
-    total = unit.sum(0).pow(2).sum()  # sum over all ordered pairs, the n self-pairs included
-    return e.pow(2).mean().sqrt().item(), ((total - n) / (n * (n - 1))).item()
+    return rms(embeddings), mean_pairwise_cosine(embeddings)
 
 
-def find_input_embedding(module: torch.nn.Module) -> Optional[torch.nn.Module]:
-    """The LEV embedding or the token table of a plain model or of this pipeline stage (None
-    on later stages)."""
-    for m in module.modules():
-        if isinstance(m, (ParallelLEVEmbedding, VocabEmbedding)):
-            return m
-    return None
-
-
-@torch.no_grad()
 def input_embedding_statistics(embedding: torch.nn.Module, vocab_size: int) -> tuple[int, float, float]:
     """(ids, RMS, mean pairwise cosine) of `embedding` over the calibration ids. Collective over
     the tensor-parallel group (the embedding's own all-reduce / gather)."""
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    ids = calibration_ids(vocab_size)
-    ids = ids[: len(ids) // tp * tp]  # a sequence-parallel output splits the ids over TP
-    device = next(embedding.parameters()).device
-    # The plain forward ([b, s] ids -> [s, b, D]), also for the pipeline stage's subclasses.
-    forward = ParallelLEVEmbedding.forward if isinstance(embedding, ParallelLEVEmbedding) else VocabEmbedding.forward
-    # Eager: compiling LEV's CPU mode product here would move its compile out of the first
-    # step, where the log reports it.
-    with torch.compiler.set_stance("force_eager"):
-        out = forward(embedding, ids.to(device).view(1, -1))
-    if getattr(embedding, "sequence_parallel", False) and tp > 1:
-        out = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False)
-    rms, cosine = embedding_statistics(out.reshape(len(ids), -1).float())
-    return len(ids), rms, cosine
+    out = embed_ids(embedding, calibration_ids(vocab_size))
+    rms_value, cosine = embedding_statistics(out)
+    return len(out), rms_value, cosine
 
 
 def init_statistics_line(module: torch.nn.Module, vocab_size: int, kind: str) -> Optional[str]:
     """The start-of-run log line, or None where this rank holds no input embedding."""
-    embedding = find_input_embedding(module)
+    embedding = input_embedding_module(module)
     if embedding is None:
         return None
-    n, rms, cosine = input_embedding_statistics(embedding, vocab_size)
-    return f" > {kind} input embedding at init ({n} fixed ids): RMS {rms:.4f}, mean pairwise cosine {cosine:.3f}"
+    n, rms_value, cosine = input_embedding_statistics(embedding, vocab_size)
+    return f" > {kind} input embedding at init ({n} fixed ids): RMS {rms_value:.4f}, mean pairwise cosine {cosine:.3f}"
 
 
 # The variants the measurement compares (docs/lev.md's table): the spec's init and each option.

@@ -160,16 +160,47 @@ class RMSNorm(torch.nn.Module):
 
 
 class VocabEmbedding(VocabParallelEmbedding):
-    """The vocab-parallel token table: input_ids [b, s] -> [s, b, H], all-reduced over TP."""
+    """The vocab-parallel token table: input_ids [b, s] -> [s, b, H] (or [s, b, embedding_dim]),
+    all-reduced over TP."""
 
-    def __init__(self, config: LeviathanConfig):
+    def __init__(self, config: LeviathanConfig, embedding_dim: Optional[int] = None):
         with init_rng(config.init_seed, "embedding"):
-            super().__init__(config.padded_vocab_size, config.hidden_size, config=config,
+            super().__init__(config.padded_vocab_size, embedding_dim or config.hidden_size, config=config,
                              init_method=_vocab_init(config.init_method, config.vocab_size),
                              tp_group=parallel_state.get_tensor_model_parallel_group())
+        if config.freeze_input_embedding:
+            # No gradient is computed for it, so the optimizer (optim.param_groups keeps trainable
+            # parameters only) holds no state for it and never decays it: it stays at its init.
+            self.weight.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().forward(input_ids.t())  # look up [s, b]: no transpose of the output
+
+
+class FactorizedEmbedding(VocabEmbedding):
+    """ALBERT's factorised input side: a vocab-parallel V x r table (r = embedding_rank), its
+    [s, b, r] lookup all-reduced over TP like every table here, then a replicated r -> H
+    projection without bias: input_ids [b, s] -> [s, b, H]. Reducing before projecting moves r
+    numbers per token, not H; every TP rank then projects the same full lookup, so the
+    projection's gradient is the same on every rank (like a norm's) and needs no reduction.
+
+    Init: the table N(0, init_method_std), as a plain table; the projection N(0, 1/sqrt(r)).
+    Each embedding entry is a sum of r products of variance init_method_std^2 / r, so the
+    embeddings' RMS at init is init_method_std, a plain table's: the body starts from the input
+    scale of the tied/untied baselines, and a comparison isolates the factorisation. (ALBERT's
+    N(0, 0.02) for both would give an RMS sqrt(r) x 0.02 times a plain table's: 0.11x at r = 32.)
+    """
+
+    def __init__(self, config: LeviathanConfig):
+        super().__init__(config, embedding_dim=config.embedding_rank)
+        rank = config.embedding_rank
+        # Built and drawn inside the seeded context: nn.Linear's own (discarded) init draws too.
+        with init_rng(config.init_seed, "embedding.projection"), torch.no_grad():
+            self.projection = torch.nn.Linear(rank, config.hidden_size, bias=False, dtype=config.params_dtype)
+            self.projection.weight.copy_(torch.empty(config.hidden_size, rank).normal_(0.0, rank ** -0.5))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.projection(super().forward(input_ids))
 
 
 def lev_embedding_kwargs(config: LeviathanConfig) -> dict:
@@ -180,9 +211,12 @@ def lev_embedding_kwargs(config: LeviathanConfig) -> dict:
 
 
 def build_embedding(config: LeviathanConfig) -> torch.nn.Module:
-    """[b, s] ids -> [s, b, H] in params_dtype, all-reduced over TP: LEV or the vocab table."""
+    """[b, s] ids -> [s, b, H] in params_dtype, all-reduced over TP: LEV, the factorised table or
+    the vocab table."""
     if config.embedding == "lev":
         return ParallelLEVEmbedding(**lev_embedding_kwargs(config))
+    if config.embedding == "factorized":
+        return FactorizedEmbedding(config)
     return VocabEmbedding(config)
 
 

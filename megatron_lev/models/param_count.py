@@ -6,7 +6,12 @@ matches the baseline's. `plan_isoparametric` picks the depth (or width) whose to
 closest to the baseline's, then, if that is still more than `tolerance` away, trims the MLP
 width (ffn_hidden_size, in multiples of 64, else 32, 16, 8) to land within it.
 
-CLI: `python tools/param_count.py --config lev-1.2b` (see `main`).
+The factorised input side's rank planner (`plan_embedding_rank`): the embedding_rank r that
+brings a factorized model nearest to a target total (the total is linear in r), e.g. the
+isoparametric LEV's at the same depth: the control of "depth bought" vs "the generator".
+
+CLI: `python tools/param_count.py --config lev-1.2b` (see `main`);
+`--config FACTORIZED.yaml --match-params TARGET.yaml` plans the rank.
 """
 from __future__ import annotations
 
@@ -27,7 +32,8 @@ def count_parameters(config: LeviathanConfig) -> dict:
     """Analytic parameter counts of the whole model (all TP ranks together, padding rows
     included, as allocated). Keys: embedding (the LEV generator or the table), output_layer,
     attention / mlp / norms / per_layer (one layer), layers (all), final_norm, total,
-    and vocab_padding (rows counted in embedding/output_layer that are padding)."""
+    vocab_padding (rows counted in embedding/output_layer that are padding), frozen (of the
+    total, what is never trained: the input table under freeze_input_embedding) and trainable."""
     h, nh, ng, dh = config.hidden_size, config.num_attention_heads, config.num_query_groups, config.kv_channels
     attention = h * (nh + 2 * ng) * dh + nh * dh * h
     mlp = 3 * h * config.ffn_hidden_size
@@ -38,9 +44,13 @@ def count_parameters(config: LeviathanConfig) -> dict:
         embedding, output_layer = config.lev_config().num_parameters(), table
     elif config.embedding == "tied":
         embedding, output_layer = table, 0
+    elif config.embedding == "factorized":  # V x r table + r x H projection
+        embedding, output_layer = factorized_input_parameters(config.padded_vocab_size, h, config.embedding_rank), table
     else:
         embedding, output_layer = table, table
-    padding = (config.padded_vocab_size - config.vocab_size) * h
+    # Padding rows: of the input table (width H, or r when factorised; LEV has none) and of the head.
+    input_width = {"lev": 0, "factorized": config.embedding_rank}.get(config.embedding, h)
+    padding = (config.padded_vocab_size - config.vocab_size) * (input_width + (config.embedding != "tied") * h)
     counts = {
         "embedding": embedding,
         "output_layer": output_layer,
@@ -50,19 +60,66 @@ def count_parameters(config: LeviathanConfig) -> dict:
         "per_layer": per_layer,
         "layers": per_layer * config.num_layers,
         "final_norm": h,
-        "vocab_padding": padding * ((config.embedding != "lev") + (config.embedding != "tied")),
+        "vocab_padding": padding,
     }
     counts["total"] = embedding + output_layer + counts["layers"] + h
+    # Counted in the total (they are the model's), and reported apart: never trained.
+    counts["frozen"] = embedding if config.freeze_input_embedding else 0
+    counts["trainable"] = counts["total"] - counts["frozen"]
     return counts
+
+
+def factorized_input_parameters(padded_vocab_size: int, hidden_size: int, rank: int) -> int:
+    """The factorised input side: the V_padded x r table and the r x H projection."""
+    return rank * (padded_vocab_size + hidden_size)
 
 
 def _total(section: dict, tp: int) -> int:
     return count_parameters(model_config_from_dict(section, tensor_model_parallel_size=tp))["total"]
 
 
+# Model fields that belong to one input side: dropped when a section is turned into another kind.
+INPUT_SIDE_FIELDS = {"freeze_input_embedding": "untied", "embedding_rank": "factorized"}
+
+
+def with_embedding(section: dict, kind: str) -> dict:
+    """`section` with input side `kind`, without the fields of the other input sides."""
+    return {**{k: v for k, v in section.items() if INPUT_SIDE_FIELDS.get(k, kind) == kind}, "embedding": kind}
+
+
 def compare_embeddings(section: dict, tensor_model_parallel_size: int = 1) -> dict:
-    """Total parameters of the same backbone with each input side: {kind: total}."""
-    return {kind: _total({**section, "embedding": kind}, tensor_model_parallel_size) for kind in EMBEDDING_KINDS}
+    """Total parameters of the same backbone with each input side: {kind: total} (factorized
+    only when `section` gives its embedding_rank)."""
+    kinds = [kind for kind in EMBEDDING_KINDS if kind != "factorized" or section.get("embedding_rank")]
+    return {kind: _total(with_embedding(section, kind), tensor_model_parallel_size) for kind in kinds}
+
+
+def plan_embedding_rank(section: dict, target_total: int, tolerance: float = 0.01,
+                        tensor_model_parallel_size: int = 1) -> dict:
+    """The embedding_rank r that brings the factorised model `section` (embedding: factorized; its
+    backbone as given) nearest to `target_total` parameters. The total is linear in r, each unit
+    of rank costing V_padded + H (a table column and a projection column), so r is the integer
+    nearest to (target - the total without the input side) / (V_padded + H), at least 1."""
+    tp = tensor_model_parallel_size
+    if section.get("embedding") != "factorized":
+        raise ValueError(f"--match-params: the --config model is embedding: {section.get('embedding')}; the rank "
+                         "planner sets the embedding_rank of a factorized model (embedding: factorized)")
+    config = model_config_from_dict({**section, "embedding_rank": 1}, tensor_model_parallel_size=tp)
+    per_rank = factorized_input_parameters(config.padded_vocab_size, config.hidden_size, 1)
+    without_input = count_parameters(config)["total"] - per_rank
+    exact = (target_total - without_input) / per_rank
+    rank = max(1, min((math.floor(exact), math.ceil(exact)),
+                      key=lambda r: abs(without_input + r * per_rank - target_total)))
+    plan = {**section, "embedding_rank": rank}
+    total = _total(plan, tp)
+    difference = (total - target_total) / target_total
+    if abs(difference) > tolerance:
+        raise ValueError(f"--match-params: no embedding_rank comes within {tolerance:.1%} (--tolerance) of the "
+                         f"target's {target_total:,} parameters: the backbone without its input side already has "
+                         f"{without_input:,}, and each unit of rank adds {per_rank:,} (closest: rank {rank}, "
+                         f"{total:,}, {difference:+.2%})")
+    return {"model": plan, "embedding_rank": rank, "exact_rank": exact, "total": total,
+            "target_total": target_total, "relative_difference": difference, "parameters_per_rank": per_rank}
 
 
 def plan_isoparametric(baseline: dict, lev: dict | None = None, vary: str = "depth", tolerance: float = 0.01,
@@ -79,11 +136,11 @@ def plan_isoparametric(baseline: dict, lev: dict | None = None, vary: str = "dep
         raise ValueError(f"--vary {vary!r}: expected 'depth' or 'width'")
     base_config = model_config_from_dict(baseline, tensor_model_parallel_size=tp)
     target = count_parameters(base_config)["total"]
-    start = {**baseline, "embedding": "lev", "lev": dict(lev if lev is not None else baseline.get("lev") or {}),
+    start = {**with_embedding(baseline, "lev"), "lev": dict(lev if lev is not None else baseline.get("lev") or {}),
              "ffn_hidden_size": base_config.ffn_hidden_size}
-    if vary == "depth":
+    if vary == "depth":  # up to 16x the baseline's depth: v1's embedding-dominated pair is 6 vs 52 layers
         candidates = [{**start, "num_layers": n} for n in range(max(1, base_config.pipeline_model_parallel_size),
-                                                                4 * base_config.num_layers + 1)]
+                                                                16 * base_config.num_layers + 1)]
     else:  # wider = more heads of the same size, the MLP keeping the baseline's ffn/hidden ratio
         head_dim, groups = base_config.kv_channels, base_config.num_query_groups
         mha = groups == base_config.num_attention_heads
@@ -135,9 +192,15 @@ def breakdown_table(name: str, section: dict, tensor_model_parallel_size: int = 
     c = count_parameters(config)
     total = c["total"]
     input_name = {"lev": "embedding (LEV generator)", "tied": "embedding (table = head)",
-                  "untied": "embedding (table)"}[config.embedding]
-    rows = [
-        (input_name, c["embedding"]),
+                  "untied": "embedding (table)", "factorized": "embedding (factorised table)"}[config.embedding]
+    if config.freeze_input_embedding:
+        input_name = "embedding (table, frozen)"
+    rows = [(input_name, c["embedding"])]
+    if config.embedding == "factorized":
+        rank = config.embedding_rank
+        rows += [(f"  table ({config.padded_vocab_size:,} x {rank})", config.padded_vocab_size * rank),
+                 (f"  projection ({rank} x {config.hidden_size})", rank * config.hidden_size)]
+    rows += [
         ("output head" + (" (tied: the table)" if config.embedding == "tied" else ""), c["output_layer"]),
         ("per layer", c["per_layer"]),
         ("  attention (qkv + out)", c["attention"]),
@@ -148,9 +211,11 @@ def breakdown_table(name: str, section: dict, tensor_model_parallel_size: int = 
         ("total", total),
     ]
     lines = [
-        f"{name}: embedding={config.embedding}, vocab {config.vocab_size:,} (padded {config.padded_vocab_size:,} "
-        f"at TP={tensor_model_parallel_size}), {config.num_layers} layers, hidden {config.hidden_size}, "
-        f"ffn {config.ffn_hidden_size}, heads {config.num_attention_heads} ({config.num_query_groups} kv)",
+        f"{name}: embedding={config.embedding}{' (input table frozen)' * config.freeze_input_embedding}"
+        f"{f' (rank {config.embedding_rank})' if config.embedding == 'factorized' else ''}, "
+        f"vocab {config.vocab_size:,} (padded {config.padded_vocab_size:,} at TP={tensor_model_parallel_size}), "
+        f"{config.num_layers} layers, hidden {config.hidden_size}, ffn {config.ffn_hidden_size}, "
+        f"heads {config.num_attention_heads} ({config.num_query_groups} kv)",
         f"{'component':<32}{'parameters':>16}{'share':>9}",
     ]
     for label, n in rows:
@@ -158,6 +223,8 @@ def breakdown_table(name: str, section: dict, tensor_model_parallel_size: int = 
         lines.append(f"{label:<32}{_fmt(n):>16}{share:>9}")
     if c["vocab_padding"]:
         lines.append(f"(of which vocabulary padding rows: {_fmt(c['vocab_padding'])})")
+    if c["frozen"]:
+        lines.append(f"frozen (never trained): {_fmt(c['frozen'])}; trainable: {_fmt(c['trainable'])}")
     totals = compare_embeddings(section, tensor_model_parallel_size)
     lines.append("")
     lines.append("same backbone, each input side:")
@@ -166,7 +233,7 @@ def breakdown_table(name: str, section: dict, tensor_model_parallel_size: int = 
         if kind != config.embedding:
             diff = total - n
             note = f"   {config.embedding} - {kind} = {diff:+,} ({100 * diff / n:+.2f}%)"
-        lines.append(f"  {kind:<8}{_fmt(n):>16}{note}")
+        lines.append(f"  {kind:<10}{_fmt(n):>14}{note}")
     return "\n".join(lines)
 
 
@@ -185,6 +252,17 @@ def plan_text(baseline_name: str, baseline: dict, plan: dict) -> str:
     ])
 
 
+def rank_plan_text(config_name: str, target_name: str, plan: dict) -> str:
+    return "\n".join([
+        f"embedding_rank for {config_name} matching {target_name} ({plan['target_total']:,} parameters):",
+        f"  embedding_rank {plan['embedding_rank']} (exact {plan['exact_rank']:.2f}; each unit of rank is "
+        f"{plan['parameters_per_rank']:,} parameters, a table column and a projection column)",
+        f"  factorized total {plan['total']:,} ({plan['relative_difference']:+.3%} vs the target)",
+        "",
+        yaml.safe_dump({"model": plan["model"]}, sort_keys=False).rstrip(),
+    ])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="tools/param_count.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="packaged config name (e.g. lev-1.2b) or a YAML path")
@@ -192,21 +270,34 @@ def main(argv=None) -> int:
                    help="vocabulary padding depends on it (default 1)")
     p.add_argument("--match-baseline", metavar="CONFIG",
                    help="plan the LEV model whose total matches this baseline config's (isoparametric)")
+    p.add_argument("--match-params", metavar="CONFIG",
+                   help="set the embedding_rank of the factorized --config so its total matches this config's "
+                        "(e.g. the isoparametric LEV: the same depth, the generator replaced by a V x r table)")
     p.add_argument("--vary", choices=("depth", "width"), default="depth", help="what the planner changes")
     p.add_argument("--tolerance", type=float, default=0.01, help="planner tolerance (default 0.01 = 1%%)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = p.parse_args(argv)
     if not args.config and not args.match_baseline:
         p.error("give --config and/or --match-baseline")
+    if args.match_params and (args.match_baseline or not args.config):
+        p.error("--match-params sets the embedding_rank of the factorized --config: give --config, and not "
+                "--match-baseline (the LEV planner)")
     tp = args.tensor_model_parallel_size
     try:
         out = {}
         text = []
-        if args.config:
+        if args.match_params:
             section = load_config(args.config)["model"]
+            target = _total(load_config(args.match_params)["model"], tp)
+            plan = plan_embedding_rank(section, target, args.tolerance, tp)
+            out["rank_plan"] = {"config": args.config, "target": args.match_params, **plan}
+            text.append(rank_plan_text(args.config, args.match_params, plan))
+        if args.config:
+            section = out["rank_plan"]["model"] if args.match_params else load_config(args.config)["model"]
             counts = count_parameters(model_config_from_dict(section, tensor_model_parallel_size=tp))
             out["config"] = {"name": args.config, "counts": counts, "by_embedding": compare_embeddings(section, tp)}
-            text.append(breakdown_table(args.config, section, tp))
+            name = f"{args.config} at embedding_rank {section['embedding_rank']}" if args.match_params else args.config
+            text.append(breakdown_table(name, section, tp))
         if args.match_baseline:
             baseline = load_config(args.match_baseline)["model"]
             lev = load_config(args.config)["model"].get("lev") if args.config else None

@@ -23,12 +23,12 @@ Build the engine with `deepspeed.initialize(model=pipe, mpu=None, ...)` (ZeRO 0/
 
 Parameter names, pipeline form <-> plain form (`pipeline_to_model_key`, `model_to_pipeline_key`):
 
-    0.<rest>                         <-> embedding.<rest>          (lev, untied)
+    0.<rest>                         <-> embedding.<rest>          (lev, untied, factorized)
     tied_modules.embedding.<rest>    <-> embedding.<rest>          (tied)
     tied_modules.embedding.output_layer.<rest> <-> output_layer.<rest>   (tied; no parameters)
     {i + 1}.<rest>                   <-> layers.{i}.<rest>
     {L + 1}.weight                   <-> final_norm.weight
-    {L + 2}.<rest>                   <-> output_layer.<rest>       (lev, untied)
+    {L + 2}.<rest>                   <-> output_layer.<rest>       (lev, untied, factorized)
 
 (A DeepSpeed engine's own `state_dict` prefixes these with `module.`; strip it first.)
 With PP=1 the plain `LeviathanModel` is the form to use under ZeRO 1/2/3.
@@ -46,8 +46,8 @@ from megatron_lev.distributed.state import pipe_topology
 from megatron_lev.lev.parallel import ParallelLEVEmbedding
 from megatron_lev.models.config import LeviathanConfig
 from megatron_lev.models.cross_entropy import language_model_loss
-from megatron_lev.models.layers import (OutputLayer, RMSNorm, VocabEmbedding, checkpoint, default_position_ids,
-                                        lev_embedding_kwargs, model_rotary_cos_sin)
+from megatron_lev.models.layers import (FactorizedEmbedding, OutputLayer, RMSNorm, VocabEmbedding, checkpoint,
+                                        default_position_ids, lev_embedding_kwargs, model_rotary_cos_sin)
 from megatron_lev.models.transformer import DecoderLayer
 
 TIED_KEY = "embedding"
@@ -75,6 +75,10 @@ class _EmbeddingPipe:
 
 
 class VocabEmbeddingPipe(_EmbeddingPipe, VocabEmbedding):
+    pass
+
+
+class FactorizedEmbeddingPipe(_EmbeddingPipe, FactorizedEmbedding):
     pass
 
 
@@ -133,7 +137,8 @@ def layer_specs(config: LeviathanConfig) -> list:
         head = TiedLayerSpec(TIED_KEY, TiedEmbeddingPipe, config, tied_weight_attr=["weight"],
                              forward_fn=TiedEmbeddingPipe.head_forward)
     else:
-        embedding = LayerSpec(LEVEmbeddingPipe if config.embedding == "lev" else VocabEmbeddingPipe, config)
+        embedding = LayerSpec({"lev": LEVEmbeddingPipe, "factorized": FactorizedEmbeddingPipe}.get(
+            config.embedding, VocabEmbeddingPipe), config)
         head = LayerSpec(OutputLayerPipe, config)
     return [
         embedding,

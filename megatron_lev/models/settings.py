@@ -13,10 +13,13 @@ or refused), is megatron_lm/flags.py's table.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
-if TYPE_CHECKING:  # torch-free at import: the trainer's flag check runs before torch is imported
-    from megatron_lev.models.config import LeviathanConfig
+# Torch-free, and imported by models/config.py (for EMBEDDING_KINDS): `config` parameters below
+# are megatron_lev.models.config.LeviathanConfig, named as a string, not imported (no cycle).
+
+# The input sides (`embedding`; docs/model.md, "Input sides"; models/decoder.py builds them).
+EMBEDDING_KINDS = ("lev", "tied", "untied", "factorized")
 
 # LLaMA 3's RoPE scaling as Megatron-LM's RotaryEmbedding applies it (the factor is the setting).
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -30,7 +33,7 @@ class Setting:
     `python -m megatron_lev.train` takes too when `trainer`; dest: Megatron-LM's namespace
     attribute; from_args: how the value is read from that namespace (default: the attribute);
     hf: the Hugging Face config key it is exported as (None: not a transformers key, see
-    hf_config_fields)."""
+    hf_config_fields); choices: the values the flag accepts (None: any of its type)."""
 
     field: str
     flag: Optional[str]
@@ -39,6 +42,7 @@ class Setting:
     trainer: bool = True
     hf: Optional[str] = None
     from_args: Optional[Callable] = None
+    choices: Optional[tuple] = None
 
     def megatron_value(self, args):
         if self.from_args is not None:
@@ -51,7 +55,11 @@ def _query_groups(args):
 
 
 SETTINGS = (
-    Setting("embedding", "--embedding", str, from_args=lambda args: "lev"),
+    Setting("embedding", "--embedding", str, from_args=lambda args: "lev", choices=EMBEDDING_KINDS),
+    # Ours alone (Megatron-LM's GPTModel+LEV has one input side, trained): keep the untied input
+    # table at its random initialisation; the rank r of the factorised input side's V x r table.
+    Setting("freeze_input_embedding", "--freeze-input-embedding", bool, from_args=lambda args: False),
+    Setting("embedding_rank", "--embedding-rank", int, from_args=lambda args: None),
     Setting("num_layers", "--num-layers", int, hf="num_hidden_layers"),
     Setting("hidden_size", "--hidden-size", int, hf="hidden_size"),
     Setting("ffn_hidden_size", "--ffn-hidden-size", int, hf="intermediate_size"),

@@ -43,6 +43,7 @@ TRAINING_DEFAULTS = {
     "decoupled_min_lr": None,
     "lev_lr_mult": 1.0,
     "lev_clip_grad": None,
+    "lev_no_weight_decay": False,
     "lr_warmup_iters": 0,
     "lr_warmup_samples": 0,
     "lr_warmup_fraction": None,
@@ -82,7 +83,7 @@ TRAINING_DEFAULTS = {
     "tokenizer_model": None,
     "vocab_file": None,
     "merge_file": None,
-    "num_workers": 0,
+    "num_workers": None,  # validate_args: 2 where CUDA is (Megatron-LM's default), 0 on CPU
     "save": None,
     "load": None,
     "save_interval": None,
@@ -98,6 +99,8 @@ TRAINING_DEFAULTS = {
     "zero_stage": None,
     "log_interval": 100,
     "log_throughput": False,
+    "timing_log_level": 0,
+    "timing_log_option": "minmax",
     "logging_level": None,
     "tensorboard_dir": None,
     "metrics_file": None,
@@ -153,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "output layer), on its schedule (docs/lev.md, Knobs)")
     g.add_argument("--lev-clip-grad", type=float, help="clip the LEV generator's gradient norm to this and the rest's "
                    "to --clip-grad, each by its own norm (default: one global norm, Megatron's; 0 leaves it unclipped)")
+    g.add_argument("--lev-no-weight-decay", action=argparse.BooleanOptionalAction,
+                   help="no weight decay on the LEV generator's parameters, as its author trains it (default: "
+                        "--weight-decay on its matrices; docs/lev.md, The author's training)")
     g.add_argument("--lr-warmup-iters", type=int)
     g.add_argument("--lr-warmup-samples", type=int)
     g.add_argument("--lr-warmup-fraction", type=float, help="warmup as a fraction of the decay length")
@@ -195,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         if setting.type is bool:
             g.add_argument(setting.flag, dest=setting.field, action=argparse.BooleanOptionalAction)
         else:
-            g.add_argument(setting.flag, dest=setting.field, type=setting.type)
+            g.add_argument(setting.flag, dest=setting.field, type=setting.type, choices=setting.choices)
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", help="prefix, or a Megatron blend: 0.3 pathA 0.7 pathB")
@@ -209,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-model", help="SentencePiece .model, or a Hugging Face tokenizer.json or folder")
     g.add_argument("--vocab-file", help="GPT2BPETokenizer: GPT-2's vocab.json (e.g. gpt2-vocab.json)")
     g.add_argument("--merge-file", help="GPT2BPETokenizer: GPT-2's merges.txt (e.g. gpt2-merges.txt)")
-    g.add_argument("--num-workers", type=int, help="data-loader worker processes per rank")
+    g.add_argument("--num-workers", type=int, help="data-loader worker processes per rank (default 2 with CUDA, "
+                   "0 on CPU)")
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
     g.add_argument("--reset-position-ids", action="store_true",
                    help="position ids restart after each end-of-document token")
@@ -235,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, help="global batches per evaluation")
     g.add_argument("--log-interval", type=int)
     g.add_argument("--log-throughput", action="store_true", help="add TFLOP/s per GPU (and MFU) to the log line")
+    g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2),
+                   help="0: the iteration time only; 1: also forward-backward, all-grads-sync, optimizer; 2: also "
+                        "batch-generator, forward-compute, backward-compute (per iteration, after each log line)")
+    g.add_argument("--timing-log-option", choices=("max", "minmax", "all"),
+                   help="report the timers' max over ranks, their min and max (default) or every rank's")
     g.add_argument("--logging-level", type=int,
                    help="Python logging level (10 debug, 20 info; default: loggers' own, DeepSpeed's WARNING); 10 "
                    "also shows the third-party start-up chatter a run hides (DeepSpeed's memory dumps, megatron-core "
@@ -337,6 +349,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         if value is not None and value < 1:
             raise ConfigError(f"{_dest_to_flag(dest)} must be >= 1, got {value}")
 
+    if args.num_workers is None:  # on CPU, worker processes would take the cores the training computes on
+        import torch
+
+        args.num_workers = 2 if torch.cuda.is_available() else 0
+    elif args.num_workers < 0:
+        raise ConfigError(f"--num-workers must be >= 0, got {args.num_workers}")
+
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp) != 0:
         raise ConfigError(
@@ -379,7 +398,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.lev_clip_grad is not None and not (math.isfinite(args.lev_clip_grad) and args.lev_clip_grad >= 0):
         raise ConfigError(f"--lev-clip-grad must be a finite number >= 0, got {args.lev_clip_grad}")
     embedding = args.model.get("embedding")
-    for flag, on in (("--lev-lr-mult", args.lev_lr_mult != 1.0), ("--lev-clip-grad", args.lev_clip_grad is not None)):
+    for flag, on in (("--lev-lr-mult", args.lev_lr_mult != 1.0), ("--lev-clip-grad", args.lev_clip_grad is not None),
+                     ("--lev-no-weight-decay", args.lev_no_weight_decay)):
         if on and embedding != "lev":
             raise ConfigError(f"{flag}: the model has no LEV generator (embedding: {embedding})")
     _schedule_in_samples(args)
@@ -527,7 +547,10 @@ def summarize_config(cfg: dict, full_path: str) -> str:
                             t["tensor_model_parallel_size"])
     zero = ds.get("zero_optimization", {}).get("stage")
     lines = [
-        f"config {cfg['config']}: {m.get('embedding')} model, {m.get('num_layers')} layers x {m.get('hidden_size')}, "
+        f"config {cfg['config']}: {m.get('embedding')} model"
+        + (" (input table frozen)" if m.get("freeze_input_embedding") else "")
+        + (f" (rank {m.get('embedding_rank')})" if m.get("embedding") == "factorized" else "")
+        + f", {m.get('num_layers')} layers x {m.get('hidden_size')}, "
         f"vocab {m['vocab_size']} (padded {padded})",
         f"parallel: TP {t['tensor_model_parallel_size']} x PP {t['pipeline_model_parallel_size']} x DP "
         f"{t.get('data_parallel_size')}, ZeRO-{zero}, {'bf16' if t['bf16'] else 'fp32'}; batch {t['global_batch_size']}"
@@ -538,6 +561,7 @@ def summarize_config(cfg: dict, full_path: str) -> str:
            if t.get("decoupled_lr") is not None else "")
         + (f"LEV generator x{t['lev_lr_mult']:g}, " if t.get("lev_lr_mult", 1.0) != 1.0 else "")
         + (f"LEV generator clipped apart at {t['lev_clip_grad']:g}, " if t.get("lev_clip_grad") is not None else "")
+        + ("LEV generator without weight decay, " if t.get("lev_no_weight_decay") else "")
         + "warmup "
         f"{t.get('lr_warmup_steps', 0) / t['global_batch_size']:g} iterations; data {' '.join(map(str, t['data_path'] or t['train_data_path'] or []))}",
         f"full configuration: {full_path}",

@@ -79,7 +79,8 @@ def build_engine(args, model_config, ds_config: dict):
     offload = offloads_optimizer(ds_config)
     optimizer = build_optimizer(module, lr=args.lr, weight_decay=args.weight_decay,
                                 betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, offload=offload,
-                                decoupled_lr=args.decoupled_lr, lev_separate=lev_groups_apart(args))
+                                decoupled_lr=args.decoupled_lr, lev_separate=lev_groups_apart(args),
+                                lev_no_decay=getattr(args, "lev_no_weight_decay", False))
     if offload and type(optimizer).__name__ != "DeepSpeedCPUAdam":
         ds_config["zero_force_ds_cpu_optimizer"] = False  # the CPU Adam op could not be built here
 

@@ -5,10 +5,11 @@ multiplications of the model (what MFU conventionally measures, PaLM appendix B)
 forward + backward = 3 x forward, and nothing that recomputation repeats:
 
     transformer, per token:   6 * N_matmul + 12 * L * D * s
-        N_matmul = L * (D * (D + 2 * kv) + D * D + 3 * D * F) + D * V_padded
+        N_matmul = L * (D * (D + 2 * kv) + D * D + 3 * D * F) + D * V_padded [+ r * D]
           attention q, k, v (kv = kv_channels * num_query_groups, the GQA width) and out
           projections, the SwiGLU MLP (3 matrices), and the output head over the padded
-          vocabulary; an input embedding *table* is a lookup (0 FLOPs);
+          vocabulary; an input embedding *table* is a lookup (0 FLOPs), the factorised input
+          side's r -> D projection a matrix (r = embedding_rank);
         12 * L * D * s: attention scores and the weighted sum of values, full s x s as in
           PaLM (no causal halving), s = sequence length;
     LEV generator, per DISTINCT token id of each micro-batch (it evaluates each once):
@@ -42,12 +43,13 @@ class FlopsModel:
     lev_seed_dim: Optional[int] = None
     lev_knots: Optional[int] = None
     lev_modes: Optional[int] = None
+    input_projection_params: int = 0  # the factorised input side's r x D projection (0 otherwise)
 
     @property
     def matmul_params(self) -> int:
         d, f, kv = self.hidden_size, self.ffn_hidden_size, self.kv_width
         per_layer = d * (d + 2 * kv) + d * d + 3 * d * f
-        return self.num_layers * per_layer + d * self.padded_vocab_size
+        return self.num_layers * per_layer + d * self.padded_vocab_size + self.input_projection_params
 
     def transformer_flops_per_token(self) -> int:
         return 6 * self.matmul_params + 12 * self.num_layers * self.hidden_size * self.seq_length
@@ -83,4 +85,6 @@ def flops_model(model_config, seq_length: int) -> FlopsModel:
         kv_width=model_config.kv_channels * (model_config.num_query_groups or model_config.num_attention_heads),
         padded_vocab_size=model_config.padded_vocab_size, seq_length=seq_length,
         lev_heads=lev.num_heads if lev else None, lev_seed_dim=lev.seed_dim if lev else None,
-        lev_knots=lev.num_knots if lev else None, lev_modes=lev.num_modes if lev else None)
+        lev_knots=lev.num_knots if lev else None, lev_modes=lev.num_modes if lev else None,
+        input_projection_params=(model_config.embedding_rank * model_config.hidden_size
+                                 if model_config.embedding == "factorized" else 0))

@@ -17,7 +17,7 @@ TRAIN_IGNORED = {
     "--position-embedding-type": (1, "always RoPE (--rotary-base sets its base)", ("rope",)),
     "--no-position-embedding": (0, "RoPE needs no position table"),
     "--max-position-embeddings": (1, "RoPE has no position table; --seq-length sets the length"),
-    "--untie-embeddings-and-output-weights": (0, "the config's model.embedding (lev / tied / untied) decides"),
+    "--untie-embeddings-and-output-weights": (0, "the config's model.embedding (lev / tied / untied / factorized) decides"),
     "--group-query-attention": (0, "--num-query-groups decides"),
     "--use-flash-attn": (0, "attention runs through torch SDPA, which picks flash attention on GPUs"),
     "--attention-backend": (1, "attention runs through torch SDPA"),
@@ -34,7 +34,7 @@ TRAIN_IGNORED = {
     "--log-validation-ppl-to-tensorboard": (0, "validation perplexity is always logged"),
     "--log-timers-to-tensorboard": (0, "iteration-time is always logged"),
     "--log-memory-to-tensorboard": (0, "memory is always logged"),
-    "--timing-log-level": (1, "only the iteration time is measured"),
+    "--log-straggler": (0, "the slowest rank is always in the log line (rank time min/max)"),
     "--num-dataset-builder-threads": (1, "rank 0 builds the dataset indices once, cached"),
     "--no-create-attention-mask-in-dataloader": (0, "no mask is built (the model is causal)"),
     "--dataloader-type": (1, "the sampler is always Megatron's 'single' pretraining sampler"),
@@ -70,6 +70,9 @@ SUPPORTED_NOTES = {
     "--lr-decay-style": "default cosine here (Megatron: linear); the packaged configs set it",
     "--exit-signal-handler": "on by default here (SIGTERM and SIGUSR1)",
     "--log-throughput": "adds TFLOP/s per GPU (and MFU with --gpu-type) to the log line",
+    "--timing-log-level": "1: Megatron's timer block after each log line (forward-backward, all-grads-sync, "
+                          "optimizer); 2: also batch-generator, forward-compute, backward-compute; timed by CUDA "
+                          "events, no synchronisation added to the step",
     "--logging-level": "10 (debug) also shows what a run's log leaves out: DeepSpeed's memory dumps, "
                        "megatron-core warnings that do not apply here",
     "--local-rank": "the deepspeed launcher's; the rank is read from the environment",
@@ -87,5 +90,7 @@ SUPPORTED_NOTES = {
 
 # Flags of megatron_lev.train that Megatron-LM does not have.
 TRAIN_OWN_FLAGS = ("--config", "--zero-stage", "--train-tokens", "--keep-last-checkpoints", "--metrics-file",
-                   "--gpu-type", "--peak-tflops", "--max-skipped-steps", "--embedding", "--compile-layers",
-                   "--override-checkpoint-args", "--trust-remote-code", "--lev-lr-mult", "--lev-clip-grad")
+                   "--gpu-type", "--peak-tflops", "--max-skipped-steps", "--embedding",
+                   "--freeze-input-embedding", "--embedding-rank", "--compile-layers",
+                   "--override-checkpoint-args", "--trust-remote-code", "--lev-lr-mult", "--lev-clip-grad",
+                   "--lev-no-weight-decay")

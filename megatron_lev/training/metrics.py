@@ -30,6 +30,8 @@ MEGATRON_TAGS = {
     "step_time_s": "iteration-time", "tflops_per_device": "throughput", "valid_loss": "lm loss validation",
     "valid_ppl": "lm loss validation ppl", "test_loss": "lm loss test", "test_ppl": "lm loss test ppl",
     "tokens_per_s": "tokens-per-sec", "mfu": "mfu", "memory_gb": "mem-max-gb", "skipped_steps": "skipped-iterations",
+    # the straggler report (training/timers.py); the slowest host is in metrics.jsonl only (a string)
+    "rank_time_min_s": "rank-time-min", "rank_time_max_s": "rank-time-max",
 }
 # The x-axes, not series: every record carries them.
 AXES = ("iteration", "consumed_samples", "consumed_tokens")

@@ -18,6 +18,9 @@ table, for tied/untied). Their weight decay follows the same rules as everywhere
 `--lev-lr-mult` (ours) multiplies the learning rate of the LEV generator alone (not the output
 layer), on top of whichever schedule its groups follow; with it, or with `--lev-clip-grad`
 (training/clipping.py), the generator's parameters get groups of their own (`LEV_GROUP_KEY`).
+`--lev-no-weight-decay` (ours) moves every generator parameter into the groups without weight
+decay, as the author's own separable layer (KHRONOS) trains: weight decay pulls `delta` toward 0,
+S = 1 + delta toward 1, where every mode is the same.
 """
 from __future__ import annotations
 
@@ -62,22 +65,25 @@ def lev_generator_parameters(model: torch.nn.Module) -> set[int]:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, decoupled: bool = False,
-                 lev_separate: bool = False) -> list[dict]:
+                 lev_separate: bool = False, lev_no_decay: bool = False) -> list[dict]:
     """AdamW groups: decayed and not decayed; with `decoupled`, the same split again for the
     --decoupled-lr parameters, and with `lev_separate` for the LEV generator's, after the
     others (so group 0 carries --lr, the rate the log line shows, as Megatron logs its
-    default group). Frozen parameters are left out.
+    default group). With `lev_no_decay` no generator parameter is decayed. Frozen parameters
+    are left out.
 
     Each group also lists its parameter names under "param_names" (DeepSpeed ignores
     the key; it makes the split inspectable).
     """
     special = embedding_or_output_parameters(model) if decoupled else set()
-    generator = lev_generator_parameters(model) if lev_separate else set()
+    generator = lev_generator_parameters(model) if lev_separate or lev_no_decay else set()
     buckets = {}  # (decoupled, LEV generator, decayed) -> (params, names)
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        key = (id(param) in special, id(param) in generator, uses_weight_decay(name, param))
+        in_generator = id(param) in generator
+        decayed = uses_weight_decay(name, param) and not (lev_no_decay and in_generator)
+        key = (id(param) in special, in_generator and lev_separate, decayed)
         params, names = buckets.setdefault(key, ([], []))
         params.append(param)
         names.append(name)
@@ -95,7 +101,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decoupled: bool = 
 
 def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
                     eps: float, offload: bool = False, decoupled_lr: float | None = None,
-                    lev_separate: bool = False) -> torch.optim.Optimizer:
+                    lev_separate: bool = False, lev_no_decay: bool = False) -> torch.optim.Optimizer:
     """AdamW over `param_groups`. On GPU: DeepSpeed's CPU Adam under ZeRO-Offload, else
     DeepSpeed's (then apex's) fused Adam when they build/import, else torch's fused AdamW.
     On CPU (no CUDA): torch's fused AdamW, offload or not (offloading to the CPU you already
@@ -109,7 +115,7 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, b
     """
     groups = [{k: v for k, v in g.items() if k != "param_names"}
               for g in param_groups(model, weight_decay, decoupled=decoupled_lr is not None,
-                                    lev_separate=lev_separate)]
+                                    lev_separate=lev_separate, lev_no_decay=lev_no_decay)]
     kwargs = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if torch.cuda.is_available():
         candidates = ((("DeepSpeed's CPUAdam", _deepspeed_cpu_adam),) if offload else

@@ -29,9 +29,11 @@ from megatron_lev.checkpointing.universal import UNIVERSAL
 from megatron_lev.distributed.launch import default_device
 from megatron_lev.distributed.state import print_rank_0
 from megatron_lev.training.batches import PipelineBatches, distinct_count, micro_batches, model_inputs
+from megatron_lev.training.diagnostics import EmbeddingWatch, log_line_fields, start_line
 from megatron_lev.training.engine import build_engine, poison_nonfinite
 from megatron_lev.training.flops import flops_model, peak_flops_per_device, training_flops
 from megatron_lev.training.metrics import MetricsWriter
+from megatron_lev.training.timers import STEP, StepTimers, straggler_line_fields
 from megatron_lev.training.validation import Run, check_resume
 
 EXIT_OK, EXIT_SKIPPED_STEPS, EXIT_CONFIG = 0, 1, 2
@@ -120,6 +122,9 @@ class Trainer:
         if resume_tag is not None and self.layout_changes:
             ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
         self.engine = build_engine(args, model_config, ds_config)
+        self.watch = EmbeddingWatch(self.engine, model_config.vocab_size, args.clip_grad, self.device)
+        self.timers = StepTimers(self.device, args.timing_log_level, args.timing_log_option)
+        self.timers.install(self.engine)
         self.is_pipeline = args.pipeline_model_parallel_size > 1
         self.dp_group = parallel_state.get_data_parallel_group()
         # Only one rank per DP replica contributes to sums over the world.
@@ -174,20 +179,26 @@ class Trainer:
         """One optimizer step over gradient_accumulation_steps micro-batches.
 
         Returns (this rank's mean micro-batch loss, distinct ids seen by this rank)."""
-        engine = self.engine
-        if self.is_pipeline:
+        engine, timers = self.engine, self.timers
+        if self.is_pipeline:  # the schedule's instructions are timed inside (timers.install)
             pipe_batches = PipelineBatches(batches)
-            loss = engine.train_batch(data_iter=pipe_batches)
+            with timers("forward-backward").timing():
+                loss = engine.train_batch(data_iter=pipe_batches)
             return loss.detach().float(), pipe_batches.distinct
         engine.train()
         losses, distinct = [], 0
         for _ in range(self.args.gradient_accumulation_steps):
-            b = next(batches)
-            if self.count_distinct:
-                distinct += distinct_count(b)
-            loss = engine(b["tokens"], **model_inputs(b))
-            engine.backward(poison_nonfinite(loss))
-            engine.step()
+            with timers("forward-backward").timing():
+                with timers("batch-generator").timing():
+                    b = next(batches)
+                if self.count_distinct:
+                    distinct += distinct_count(b)
+                with timers("forward-compute").timing():
+                    loss = engine(b["tokens"], **model_inputs(b))
+                with timers("backward-compute").timing():
+                    engine.backward(poison_nonfinite(loss))
+            with timers("optimizer").timing():
+                engine.step()
             losses.append(loss.detach().float())
         return torch.stack(losses).mean(), distinct
 
@@ -298,18 +309,32 @@ class Trainer:
             "skipped_steps": st.skipped_steps,
             "skipped_in_interval": stats.skipped,
         }
-        families = getattr(getattr(self.engine, "optimizer", None), "family_grad_norms", None)
-        if families:  # --lev-clip-grad: each family's norm before its own clipping (training/clipping.py)
-            record.update({f"{name}_grad_norm": float(norm) for name, norm in families.items()})
+        record.update(self.watch.interval_record())  # collective: the embedding's statistics
+        stragglers, timers_block = self.timers.report(stats.iterations)  # collective: every rank's times
+        record.update(stragglers.record())
         self.metrics.write(record, st.iteration)
         if self.rank == 0:
             line = megatron_log_line(record, args, stats)
             if self.time_to_first_step is not None:  # the run's first log line
                 line += f" time to first step (s): {self.time_to_first_step:.1f} |"
-            print(line, flush=True)
+            print(line + (f"\n{timers_block}" if timers_block else ""), flush=True)
         self.time_to_first_step = None
 
     # ------------------------------------------------------------------ the loop
+
+    def logs_after(self, iteration: int) -> bool:
+        """Whether a log line follows this iteration."""
+        return iteration % self.args.log_interval == 0 or iteration == self.args.train_iters
+
+    def log_embedding_at_start(self) -> None:
+        """The input embedding's statistics before the first step: the initial weights (iteration
+        0) or those the run resumed with."""
+        st = self.state
+        record = {"iteration": st.iteration, "consumed_samples": st.consumed_samples,
+                  "consumed_tokens": st.consumed_tokens, **self.watch.embedding_record(eager=True)}
+        if "embedding_rms" in record:  # this rank holds the embedding (global rank 0 does)
+            self.metrics.write(record, st.iteration)
+            print_rank_0(start_line(record, self.model_config.embedding, self.model_config.vocab_size))
 
     def run(self) -> int:
         args, st = self.args, self.state
@@ -317,6 +342,7 @@ class Trainer:
             print_rank_0(f"training done: already at iteration {st.iteration} (--train-iters "
                          f"{args.train_iters}), nothing to do")
             return EXIT_OK
+        self.log_embedding_at_start()
         batches = micro_batches(self.train_ds, st.consumed_samples, args, self.device, self.lev_vocab_size)
         stats = IntervalStats()
         grad_norm = None
@@ -326,7 +352,10 @@ class Trainer:
             lr = self.engine.get_lr()[0]  # the rate this step uses
             if first_step:
                 step_start, compiling_before = time.perf_counter(), _compile_seconds()
-            loss, distinct = self.train_step(batches)
+            if self.logs_after(st.iteration + 1):
+                self.watch.arm()  # this step's optimizer records the two families' gradient norms
+            with self.timers(STEP).timing():
+                loss, distinct = self.train_step(batches)
             if first_step:
                 first_step = False
                 if self.startup is not None:
@@ -337,6 +366,7 @@ class Trainer:
             applied = self.engine.was_step_applied()
             grad_norm = self.engine.get_global_grad_norm()
             grad_norm = float(grad_norm) if grad_norm is not None else None
+            self.watch.count_step(grad_norm, applied)
             loss_value, distinct_sum, stop = self.reduce_step(loss, distinct)
             st.iteration += 1
             st.consumed_samples += args.global_batch_size
@@ -355,7 +385,7 @@ class Trainer:
                 print_rank_0(f"iteration {st.iteration}: non-finite loss ({loss_value}) or gradient "
                              f"norm ({grad_norm}); step skipped ({st.consecutive_skipped} in a row)")
 
-            if st.iteration % args.log_interval == 0 or st.iteration == args.train_iters:
+            if self.logs_after(st.iteration):
                 self.log(stats, lr, grad_norm)
                 stats = IntervalStats()
 
@@ -408,6 +438,7 @@ def megatron_log_line(record: dict, args, stats: IntervalStats) -> str:
              f" lm loss: {record['loss']:.6E} |")
     if record["grad_norm"] is not None:
         line += f" grad norm: {record['grad_norm']:.3f} |"
+    line += log_line_fields(record) + straggler_line_fields(record)
     nan = stats.skipped  # a skipped step is one whose loss or gradient norm was not finite
     return line + (f" number of skipped iterations: {stats.skipped:3d} | number of nan iterations: {nan:3d} |"
                    f" tokens per second: {record['tokens_per_s']:.1f} | mem: {record['memory_gb']:.2f} GB |"

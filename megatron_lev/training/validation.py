@@ -32,6 +32,7 @@ from megatron_lev.training.tokenizer_args import derive_vocab_size, padded_vocab
 from megatron_lev.training.batches import dataset_arguments
 from megatron_lev.training.optim import schedule_mismatch
 from megatron_lev.utils.errors import ConfigError
+from megatron_lev.utils.versions import untested_versions_warning
 
 DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 
@@ -54,6 +55,9 @@ def validate_run(argv=None, world_size: int = 1, rank: int = 0) -> Run:
     as one line naming the flag, file or field. Warnings (rank 0) go to stderr."""
     args, ds_config = validate_flags(argv, world_size)
     check_deepspeed_version(ds_config, args.deepspeed_config_path)
+    untested = untested_versions_warning()
+    if untested and rank == 0:
+        print(untested, file=sys.stderr, flush=True)
     plan = plan_datasets(**dataset_arguments(args))
     prefixes = data_prefixes(args, plan)
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
@@ -254,6 +258,11 @@ def check_resume_schedule(args, saved: dict, config: dict) -> None:
                           f"the LEV generator in groups of its own (--lev-lr-mult / --lev-clip-grad) and this run "
                           f"{'puts it there' if now else 'does not'}: its parameter groups differ; keep the "
                           "checkpoint's setting or add --no-load-optim")
+    then, now = (bool(t.get("lev_no_weight_decay")) for t in (saved.get("training", {}), config["training"]))
+    if not args.no_load_optim and then != now:
+        raise ConfigError(f"--load {args.load}: the checkpoint's optimizer was saved {'with' if then else 'without'} "
+                          f"--lev-no-weight-decay and this run {'sets it' if now else 'does not'}: its parameter "
+                          "groups differ; keep the checkpoint's setting or add --no-load-optim")
     if args.no_load_optim or args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
         return
     changed = schedule_mismatch(saved.get("training", {}), config["training"])
