@@ -293,7 +293,7 @@ def training_stage(tiny: bool, gpu: dict, device, steps: int, gpus_per_node: int
     """lev-1.2b and tied-1.2b as the Slurm scripts run them on a node of `gpus_per_node` GPUs (their
     DRY_RUN command: bf16, compiled layers, ZeRO-2 + overlap_comm), one GPU's share of the batch, at
     one micro-batch for both kinds (gpu_check_rules.micro_batch_plan), constant learning rate."""
-    from megatron_lev.lev import generator as lev
+    from megatron_lev.lev import dispatch as lev_dispatch
     from megatron_lev.lev import kernels
     from megatron_lev.models.config import model_config_from_dict
     from megatron_lev.models.param_count import count_parameters

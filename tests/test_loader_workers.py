@@ -11,21 +11,30 @@ from tests.test_data import spm  # noqa: F401  (the SentencePiece tokenizer fixt
 from tests.test_train_setup import args_for
 
 
-def test_workers_default_to_two_on_cuda_and_none_on_cpu(monkeypatch):
-    assert args_for(world_size=1).num_workers == 0
+def _train_split(tiny_dataset, spm, tmp_path):  # noqa: F811
+    train, _, _ = build_train_valid_test_datasets(
+        data_path=[tiny_dataset], split="90,10,0", seq_length=48, seed=5, train_samples=200, valid_samples=20,
+        test_samples=None, tokenizer=spm, cache_dir=str(tmp_path / "cache"))
+    return train
+
+
+def test_workers_default_to_two_on_cuda_and_none_on_cpu(tiny_dataset, spm, tmp_path, monkeypatch):  # noqa: F811
+    """The default is the loader's, by the device: the flag check at submit imports no torch."""
+    assert args_for(world_size=1).num_workers is None
     assert args_for("--num-workers", "3", world_size=1).num_workers == 3
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert args_for(world_size=1).num_workers == 2
     assert args_for("--num-workers", "0", world_size=1).num_workers == 0
     with pytest.raises(ConfigError, match=r"^--num-workers must be >= 0, got -1$"):
         args_for("--num-workers", "-1", world_size=1)
+    train = _train_split(tiny_dataset, spm, tmp_path)
+    assert build_pretraining_data_loader(train, 0, 2, 0, 1, num_workers=None).num_workers == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    loader = build_pretraining_data_loader(train, 0, 2, 0, 1, num_workers=None)
+    assert (loader.num_workers, loader.persistent_workers, loader.pin_memory) == (2, True, True)
 
 
 def test_workers_hand_out_the_same_batches_from_any_resume_point(tiny_dataset, spm, tmp_path,  # noqa: F811
                                                                   monkeypatch):
-    train, _, _ = build_train_valid_test_datasets(
-        data_path=[tiny_dataset], split="90,10,0", seq_length=48, seed=5, train_samples=200, valid_samples=20,
-        test_samples=None, tokenizer=spm, cache_dir=str(tmp_path / "cache"))
+    train = _train_split(tiny_dataset, spm, tmp_path)
     micro, dp = 2, 2
 
     def batches(consumed, workers, rank):

@@ -368,16 +368,20 @@ def collate_pretraining_batch(samples: list[dict], lev_vocab_size: int | None = 
 
 
 def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
-                                  data_parallel_size: int, num_workers: int = 0, drop_last: bool = True,
+                                  data_parallel_size: int, num_workers: int | None = 0, drop_last: bool = True,
                                   lev_vocab_size: int | None = None):
     """A DataLoader over this DP rank's share of `dataset`, from `consumed_samples` on.
 
     Batches are dicts of [micro_batch_size, seq] tensors (see collate_pretraining_batch;
-    `lev_vocab_size` adds LEV's distinct ids).
+    `lev_vocab_size` adds LEV's distinct ids). `num_workers` None: 2 worker processes where
+    CUDA is (Megatron-LM's default), none on CPU, where they would take the cores the
+    training computes on.
     Returns None for a None dataset (a split with no data).
     """
     if dataset is None:
         return None
+    if num_workers is None:
+        num_workers = 2 if torch.cuda.is_available() else 0
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
                                  data_parallel_size, drop_last)
     return torch.utils.data.DataLoader(

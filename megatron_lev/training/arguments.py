@@ -349,11 +349,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         if value is not None and value < 1:
             raise ConfigError(f"{_dest_to_flag(dest)} must be >= 1, got {value}")
 
-    if args.num_workers is None:  # on CPU, worker processes would take the cores the training computes on
-        import torch
-
-        args.num_workers = 2 if torch.cuda.is_available() else 0
-    elif args.num_workers < 0:
+    # None stays None: the loader picks by the device (build_pretraining_data_loader), as the
+    # flag check at submit imports no torch.
+    if args.num_workers is not None and args.num_workers < 0:
         raise ConfigError(f"--num-workers must be >= 0, got {args.num_workers}")
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
