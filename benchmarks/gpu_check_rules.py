@@ -100,7 +100,7 @@ def step_time_ratio(lev: dict, tied: dict) -> dict:
 # last three.
 ENGINE_BYTES_PER_PARAMETER = 20
 FP32_STATE_BYTES_PER_PARAMETER = 16
-# slurm/common.sh sizes the micro-batch at about 5.6 GB of activations per 2048-token sequence.
+# The Slurm launcher (megatron_lev/launcher/batch.py) sizes the micro-batch at about 5.6 GB of activations per 2048-token sequence.
 ACTIVATION_BYTES_PER_TOKEN = 5.6e9 / 2048
 MEMORY_HEADROOM = 0.9  # of the GPU's memory: the allocator's fragmentation and the CUDA context
 

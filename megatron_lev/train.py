@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_lev.checkpointing.safe_load import CheckpointLoadError
 from megatron_lev.checkpointing.save import write_run_config
+from megatron_lev.checkpointing.space import CheckpointSpaceError
 from megatron_lev.distributed.launch import detect_launch_env, init_distributed
 from megatron_lev.distributed.rng import set_seed
 from megatron_lev.distributed.state import destroy_parallel, initialize_model_parallel, is_rank_0, print_rank_0
@@ -86,6 +87,8 @@ def main(argv=None) -> int:
             exit_handler = trainer.exit_handler = ExitSignalHandler().install()
         try:
             return trainer.run()
+        except CheckpointSpaceError as exc:  # raised on every rank alike, before the save wrote anything
+            return fail(str(exc), launch.rank)
         finally:
             trainer.metrics.close()
     finally:

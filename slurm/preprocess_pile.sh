@@ -16,7 +16,8 @@
 #   task 30:    $PILE_DIR/val.jsonl.zst                      -> $OUTPUT_DIR/val/pile_val_text_document
 #   task 31:    $PILE_DIR/test.jsonl.zst                     -> $OUTPUT_DIR/test/pile_test_text_document
 # Each task runs tools/preprocess_data.py with one worker per core Slurm gave it
-# (--cpus-per-task; use --exclusive for whole nodes). A task whose output exists is
+# (--cpus-per-task; use --exclusive for whole nodes); the tasks are numbered in
+# megatron_lev/launcher/pile.py (keep its NUM_TASKS equal to the --array range above). A task whose output exists is
 # skipped (FORCE=1 redoes it), so resubmitting the array only redoes failed shards.
 #
 #   PILE_DIR=/data/pile OUTPUT_DIR=/data/pile_tok TOKENIZER_MODEL=/data/tokenizer.model \
@@ -43,63 +44,7 @@ fi
 # shellcheck source=slurm/common.sh
 source "$MEGATRON_LEV_DIR/slurm/common.sh"
 
-NUM_TASKS=32  # keep equal to the --array range above
-
-# Input file and output prefix of array task $1.
-pile_task() {
-    local task=$1
-    if ((task < 30)); then
-        printf -v shard '%02d' "$task"
-        input=$PILE_DIR/train/$shard.jsonl.zst
-        prefix=$OUTPUT_DIR/train/pile_$shard
-    elif ((task == 30)); then
-        input=$PILE_DIR/val.jsonl.zst
-        prefix=$OUTPUT_DIR/val/pile_val
-    else
-        input=$PILE_DIR/test.jsonl.zst
-        prefix=$OUTPUT_DIR/test/pile_test
-    fi
-}
-
-preprocess_one() {
-    local task=$1 input prefix shard
-    pile_task "$task"
-    [[ -f $input ]] || die "task $task: input $input does not exist (PILE_DIR=$PILE_DIR)"
-    # preprocess_data.py renames its outputs into place only on success, so any final
-    # .idx under this prefix means the task is done.
-    local -a done_idx=()
-    mapfile -t done_idx < <(compgen -G "${prefix}_*.idx" || true)
-    if ((${#done_idx[@]} > 0)) && [[ ${FORCE:-0} != 1 ]]; then
-        log "task $task: ${done_idx[0]} exists, skipping (FORCE=1 redoes it)"
-        return 0
-    fi
-    local -a extra=()
-    read -r -a extra <<<"${EXTRA_ARGS:-}"
-    [[ ${DRY_RUN:-0} == 1 ]] || mkdir -p "$(dirname "$prefix")"
-    run_or_print python "$MEGATRON_LEV_DIR/tools/preprocess_data.py" \
-        --input "$input" \
-        --output-prefix "$prefix" \
-        --json-keys text \
-        "${TOKENIZER_FLAGS[@]}" \
-        --append-eod \
-        --workers "$WORKERS" \
-        --log-interval 100000 \
-        "${extra[@]}"
-}
-
 setup_python_env
-[[ -n ${PILE_DIR:-} ]] || die "PILE_DIR is not set: the folder holding train/00.jsonl.zst .. train/29.jsonl.zst, val.jsonl.zst, test.jsonl.zst"
-[[ -n ${OUTPUT_DIR:-} ]] || die "OUTPUT_DIR is not set: where the indexed datasets go"
-tokenizer_flags
-: "${WORKERS:=${SLURM_CPUS_PER_TASK:-$(nproc)}}"
-require_int WORKERS "$WORKERS" 1
-
-if [[ -n ${SLURM_ARRAY_TASK_ID:-} ]]; then
-    require_int SLURM_ARRAY_TASK_ID "$SLURM_ARRAY_TASK_ID"
-    ((SLURM_ARRAY_TASK_ID < NUM_TASKS)) || die "array task $SLURM_ARRAY_TASK_ID: expected 0-$((NUM_TASKS - 1))"
-    preprocess_one "$SLURM_ARRAY_TASK_ID"
-elif [[ ${DRY_RUN:-0} == 1 ]]; then
-    for ((task = 0; task < NUM_TASKS; task++)); do preprocess_one "$task"; done
-else
-    die "not an array task: submit with sbatch (the header sets --array=0-$((NUM_TASKS - 1))), or set SLURM_ARRAY_TASK_ID"
-fi
+# The task's checks and command (megatron_lev/launcher/pile.py); the launcher's process becomes
+# preprocess_data.py, so Slurm's signals reach it. Under DRY_RUN=1 the commands are printed.
+exec python -m megatron_lev.launcher pile

@@ -61,6 +61,12 @@ def slurm_cluster():
         cluster.stop()
 
 
+@pytest.fixture(scope="session")
+def slurm_report() -> list[str]:
+    """Lines printed at the end of the run (the cluster's start-up, a job's timeline)."""
+    return _slurm_report
+
+
 def pytest_terminal_summary(terminalreporter):
     for line in _slurm_report:
         terminalreporter.write_line(line)

@@ -305,7 +305,7 @@ def command_lines(text: str) -> list[str]:
 @functools.lru_cache(maxsize=None)
 def _all_flags() -> frozenset:
     """Every flag of every command of the tree: the package's and its scripts' parsers, and
-    the flags the shell scripts name."""
+    the flags the shell scripts and the Slurm launcher (the commands it builds: srun, torchrun) name."""
     flags = set()
     parsers = [p for ps in _package_parsers().values() for p in ps]
     for script in glob.glob(os.path.join(REPO, "*", "*.py")):
@@ -314,7 +314,8 @@ def _all_flags() -> frozenset:
             parsers += _file_parsers(script)
     for parser in parsers:
         flags.update(_options(parser))
-    for script in glob.glob(os.path.join(REPO, "*", "*.sh")):
+    for script in glob.glob(os.path.join(REPO, "*", "*.sh")) + glob.glob(os.path.join(REPO, "megatron_lev", "launcher",
+                                                                                       "*.py")):
         with open(script, encoding="utf-8") as f:
             flags.update(re.findall(r"--[A-Za-z][\w-]*", f.read()))
     return frozenset(flags)

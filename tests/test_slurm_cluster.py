@@ -3,13 +3,16 @@
 slurmctld and slurmd on this machine; tests/slurm_cluster.py), as docs/slurm.md's CPU smoke test
 runs them: `--gres=none`, DeepSpeed's CPU accelerator from SITE_ENV, `tiny-lev` on 2 CPU ranks.
 
-A run trains and checkpoints; USR1 through `scancel --signal=USR1 --batch` checkpoints, requeues,
+A run trains and checkpoints; a trainer process killed mid-run is restarted inside the job and
+ends with the uninterrupted run's losses; USR1 through `scancel --signal=USR1 --batch` checkpoints, requeues,
 and the job resumes at the next iteration with the same learning rates and losses as the
 uninterrupted run; `scancel` then stops it with `latest` intact; preprocessing runs as a job
 array; a dry run prints what it prints through the shims, and a bad EXTRA_ARGS is refused in the
 same line."""
 from __future__ import annotations
 
+import os
+import re
 import shlex
 import time
 from datetime import datetime, timedelta
@@ -129,6 +132,88 @@ def uninterrupted_job(slurm_cluster, cpu_smoke_env, tmp_path_factory):
     return {"job": job, "final": job.wait_finished(900)}
 
 
+def _trainer_pid(job_id: int, local_rank: int) -> int | None:
+    """The pid of the trainer process of `local_rank` in job `job_id` (torchrun's worker: it has
+    LOCAL_RANK in its environment, torchrun itself has not)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0") if b"=" in item)
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (environ.get(b"SLURM_JOB_ID") == str(job_id).encode() and environ.get(b"LOCAL_RANK") == str(local_rank).encode()
+                and b"megatron_lev.train" in cmdline):
+            return int(entry.name)
+    return None
+
+
+@pytest.fixture(scope="module")
+def crashed_job(slurm_cluster, cpu_smoke_env, tmp_path_factory, slurm_report):
+    """The uninterrupted run's job, with one trainer process (local rank 1) killed by SIGKILL two
+    iterations after the first checkpoint: the batch shell restarts the step in the same
+    allocation (MAX_RESTARTS), which resumes from `latest` and trains to the end. The timeline
+    (kill, restart, resume) goes to the run's summary."""
+    import signal
+
+    job = _submit_training(slurm_cluster, tmp_path_factory, "crashed", MICRO_BATCH=2, GLOBAL_BATCH=4, **cpu_smoke_env)
+    start = time.time()
+    job.wait_for(lambda j: (job.latest() and job.records() and job.records()[-1]["iteration"]
+                            >= int(job.latest().split("_")[1]) + 2) or j["JobState"] not in ("PENDING", "RUNNING"),
+                 600, "two iterations past the first checkpoint")
+    pid = _trainer_pid(job.id, 1)
+    assert pid is not None, f"no trainer process of local rank 1 in job {job.id}\n{job.logs()}"
+    latest_at_kill, iteration_at_kill = job.latest(), job.records()[-1]["iteration"]  # microseconds before the kill
+    os.kill(pid, signal.SIGKILL)
+    killed = time.time()
+    final = job.wait_finished(900)
+    result = {"job": job, "final": final, "pid": pid, "latest_at_kill": latest_at_kill,
+              "iteration_at_kill": iteration_at_kill, "records": job.records(),
+              "launch": _read(next(job.log_root.glob(f"*-{job.id}/launch.log"), Path("none")))}
+    restart_line = next((l for l in result["launch"].splitlines() if "restarting the trainers" in l), "")
+    resumed = re.search(r"resumed from \S+ at iteration (\d+)", _read(next(
+        job.log_root.glob(f"*-{job.id}/restart0-attempt1-node0.log"), Path("none"))))
+    stamp = re.match(r"\[slurm ([0-9-]+ [0-9:]+)\]", restart_line)
+    restarted = datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S").timestamp() if stamp else float("nan")
+    slurm_report.append(
+        f"restart inside the job {job.id}: trainer pid {pid} (local rank 1) SIGKILLed {killed - start:.0f} s after "
+        f"submit, at iteration {iteration_at_kill} (latest {latest_at_kill}); the step restarted "
+        f"{restarted - killed:.0f} s later (launch.log, 1 s resolution), resumed at iteration "
+        f"{resumed.group(1) if resumed else '?'}; job {final['JobState']} {time.time() - killed:.0f} s after the kill")
+    return result
+
+
+def test_a_killed_trainer_restarts_inside_the_job_with_the_uninterrupted_losses(crashed_job, uninterrupted_job):
+    """One trainer process SIGKILLed mid-run: no requeue (Restarts=0), the step restarts in the
+    allocation from the checkpoint, and every iteration from there on has the uninterrupted run's
+    learning rate and loss; the iterations before the kill had them too."""
+    job, final = crashed_job["job"], crashed_job["final"]
+    assert (final["JobState"], final["ExitCode"], final["Restarts"]) == ("COMPLETED", "0:0", "0"), job.logs()
+    # The checkpoint the restart resumed from: the latest at the kill (a save finishing in the
+    # microseconds between reading `latest` and the kill would make it the next one).
+    launch = crashed_job["launch"]
+    restart = re.search(r"the step failed: restarting the trainers in this allocation from checkpoint (iter_(\d+)) "
+                        r"\(restart 1 of MAX_RESTARTS=3", launch)
+    assert restart, job.logs()
+    resumed_at = int(restart.group(2))
+    assert int(crashed_job["latest_at_kill"].split("_")[1]) <= resumed_at < crashed_job["iteration_at_kill"] + 1
+    node0 = _read(next(job.log_root.glob(f"*-{job.id}/restart0-attempt1-node0.log")))
+    assert f"resumed from {job.ckpt}/{restart.group(1)} at iteration {resumed_at}" in node0
+    assert f"training done: {TRAIN_ITERS} iterations" in node0
+    records = crashed_job["records"]
+    # metrics.jsonl holds the crashed attempt's records, then the restarted one's from resumed_at + 1.
+    back = next(i for i in range(1, len(records)) if records[i]["iteration"] <= records[i - 1]["iteration"])
+    before, after = records[:back], records[back:]
+    assert [r["iteration"] for r in before] == list(range(1, len(before) + 1))
+    assert len(before) >= crashed_job["iteration_at_kill"] > resumed_at
+    assert [r["iteration"] for r in after] == list(range(resumed_at + 1, TRAIN_ITERS + 1))
+    reference = {r["iteration"]: r for r in uninterrupted_job["job"].records()}
+    for key in ("consumed_samples", "lr", "loss"):
+        assert [r[key] for r in before + after] == [reference[r["iteration"]][key] for r in before + after], key
+    assert job.latest() == f"iter_{TRAIN_ITERS:07d}"
+
+
 def test_sbatch_trains_on_two_cpu_ranks_and_checkpoints(uninterrupted_job):
     job, final = uninterrupted_job["job"], uninterrupted_job["final"]
     assert (final["JobState"], final["ExitCode"]) == ("COMPLETED", "0:0"), job.logs()
@@ -143,8 +228,12 @@ def test_sbatch_trains_on_two_cpu_ranks_and_checkpoints(uninterrupted_job):
     assert job.latest() == f"iter_{TRAIN_ITERS:07d}"
     from megatron_lev.checkpointing.catalog import complete_checkpoints
 
+    # A checkpoint every SAVE_INTERVAL, the newest KEEP_CHECKPOINTS (3, the default) kept; the job's
+    # first lines said one checkpoint's size and the disk the run needs.
     saved = [iteration for iteration, _ in complete_checkpoints(str(job.ckpt))]
-    assert sorted(saved) == list(range(SAVE_INTERVAL, TRAIN_ITERS + 1, SAVE_INTERVAL))
+    assert sorted(saved) == list(range(SAVE_INTERVAL, TRAIN_ITERS + 1, SAVE_INTERVAL))[-3:]
+    assert sorted(p.name for p in job.ckpt.glob("iter_*")) == [f"iter_{i:07d}" for i in sorted(saved)]
+    assert "checkpoints: one checkpoint is about " in out and "the newest 3 kept (KEEP_CHECKPOINTS=3)" in out
     training = _run_config(job.ckpt)["training"]
     assert (training["data_parallel_size"], training["micro_batch_size"], training["global_batch_size"]) == (2, 2, 4)
 

@@ -7,6 +7,7 @@ The layers, top to bottom (docs/layout.md draws the same picture):
     apps          train.py, evaluate.py, demo.py, cli.py, flag_table.py (entry points)
     evaluation/   the papers' analyses
     hf/           Hugging Face export / import
+    launcher/     the Slurm launcher (batch arithmetic, commands, requeue decisions)
     training/ megatron_lm/  arguments, validation, engine, loop; Megatron-LM's model provider
     checkpointing/ save / resume, layouts, conversion, safe loading
     models/ data/ the decoder; tokenizers, corpora, datasets
@@ -30,6 +31,7 @@ LAYERS = (  # top to bottom; a top-level module of the package is in "apps"
     ("apps",),
     ("evaluation",),
     ("hf",),
+    ("launcher",),
     ("training", "megatron_lm"),
     ("checkpointing",),
     ("models", "data"),

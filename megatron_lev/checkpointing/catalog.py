@@ -26,7 +26,6 @@ import sys
 import warnings
 from typing import Optional
 
-from megatron_lev.checkpointing.safe_load import CheckpointLoadError, UnsafeCheckpointError, check_checkpoint_files
 from megatron_lev.utils.errors import ConfigError
 
 LATEST = "latest"
@@ -164,6 +163,9 @@ def select_readable_checkpoint(ckpt_dir: Optional[str], ckpt_step: Optional[int]
     handled like a short one in `find_latest`: the checkpoint is skipped, with one line
     naming the file, for the previous complete one. `--ckpt-step`'s checkpoint is refused
     instead, and a hostile file (UnsafeCheckpointError) is always refused, never skipped."""
+    # Here, not at the top: the rest of this module is read without torch (the Slurm launcher's sizes).
+    from megatron_lev.checkpointing.safe_load import CheckpointLoadError, UnsafeCheckpointError, check_checkpoint_files
+
     tag = select_checkpoint(ckpt_dir, ckpt_step)
     while tag is not None:
         try:

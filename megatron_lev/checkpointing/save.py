@@ -15,7 +15,10 @@ import yaml
 
 from megatron_lev.checkpointing.catalog import (COMPLETE_MARKER, CONFIG_FILE, LATEST, checkpoint_file_sizes,
                                                 checkpoint_tag, complete_checkpoints, is_complete, tag_iteration)
+from megatron_lev.checkpointing.space import (CheckpointSpaceError, estimated_checkpoint_bytes, folder_bytes,
+                                              space_problem)
 from megatron_lev.checkpointing.universal import UNIVERSAL_INFO_KEY, universal_checkpoint_info
+from megatron_lev.distributed.launch import default_device
 from megatron_lev.distributed.rng import rng_state_dict
 from megatron_lev.utils.files import atomic_path, fsync_dir, fsync_file, write_text_atomic
 
@@ -71,12 +74,47 @@ def _barrier():
         dist.barrier()
 
 
+def expected_checkpoint_bytes(save_dir: str, config: dict) -> tuple[int, Optional[str]]:
+    """The bytes the next checkpoint of this run will take, and the tag they were measured on: the
+    newest complete checkpoint's (its universal conversion left out), else (None) the estimate from
+    the model's parameter count (space.py)."""
+    complete = complete_checkpoints(save_dir)
+    if complete:
+        tag = complete[-1][1]
+        return folder_bytes(os.path.join(save_dir, tag)), tag
+    from megatron_lev.models.config import model_config_from_dict
+    from megatron_lev.models.param_count import count_parameters
+
+    parameters = count_parameters(model_config_from_dict(config["model"]))["total"]
+    return estimated_checkpoint_bytes(parameters, bool(config["training"].get("bf16"))), None
+
+
+def check_space(save_dir: str, tag: str, config: dict) -> None:
+    """Collective: refuse to save `tag` (CheckpointSpaceError on every rank, rank 0's message naming
+    the folder and the sizes) when rank 0 finds less free space than the checkpoint needs. Nothing is
+    written before: `latest` and the complete checkpoints stay as they are. (The folder is shared
+    by every rank: rank 0's filesystem is the one all ranks write to.)"""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    problem = None
+    if rank == 0:
+        problem = space_problem(save_dir, tag, *expected_checkpoint_bytes(save_dir, config))
+    if dist.is_initialized():
+        refused = torch.tensor([float(problem is not None)], device=default_device())
+        dist.all_reduce(refused)
+        if problem is None and refused.item():
+            problem = f"--save {save_dir}: rank 0 found no room for checkpoint {tag}"
+    if problem is not None:
+        raise CheckpointSpaceError(problem)
+
+
 def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, config: dict,
                     keep_last: Optional[int] = None) -> str:
-    """Collective: every rank calls it. Returns the tag written."""
+    """Collective: every rank calls it. Returns the tag written. A checkpoint that cannot fit on the
+    disk is refused before anything is written (check_space: CheckpointSpaceError)."""
     tag = checkpoint_tag(iteration)
     tag_dir = os.path.join(save_dir, tag)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    check_space(save_dir, tag, config)
     if rank == 0:
         os.makedirs(tag_dir, exist_ok=True)
         # Re-saving a tag: it stops counting as complete before any file changes.

@@ -1,7 +1,21 @@
 """Resuming at another scale: a checkpoint saved under one parallel layout (TP, PP, DP size,
 ZeRO stage) loads under another through DeepSpeed's universal checkpoint. Every checkpoint
 records how each parameter is split (`universal_checkpoint_info`, Megatron-DeepSpeed's
-UNIVERSAL_CHECKPOINT_INFO); `convert_to_universal` runs DeepSpeed's ds_to_universal on it."""
+UNIVERSAL_CHECKPOINT_INFO); `convert_to_universal` runs DeepSpeed's ds_to_universal on it.
+
+The conversion runs before the trainers start, where no collective waits on it: the Slurm
+scripts run it as a step of the job when the layout changed (megatron_lev/launcher/), and by hand
+
+    python -m megatron_lev.checkpointing.universal --load DIR --pipeline-model-parallel-size PP
+
+converts DIR's newest checkpoint for a run of that PP size (its TP and DP sizes do not matter: the
+universal form has one file per parameter). It uses one worker per core (memory allowing:
+`conversion_workers`). Its output is written to DIR/iter_N/universal.tmp and renamed when
+complete, so an interrupted conversion is never loaded: the next one removes its leftovers and
+starts again. A trainer that finds no conversion converts itself (rank 0, while the other ranks wait
+in a collective under --distributed-timeout-minutes: keep that for small checkpoints).
+
+Nothing here imports torch at import time (the launcher reads `layout_changes`)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,11 +23,10 @@ import json
 import os
 import re
 import shutil
-
-import torch
+import sys
+import time
 
 from megatron_lev.checkpointing.catalog import COMPLETE_MARKER
-from megatron_lev.checkpointing.safe_load import safe_torch_load
 from megatron_lev.utils.errors import ConfigError
 from megatron_lev.utils.files import write_text_atomic
 
@@ -30,6 +43,12 @@ UNIVERSAL_INFO_KEY = "universal_checkpoint_info"  # deepspeed.checkpoint.constan
 
 def zero_stage(config: dict):
     return config.get("deepspeed", {}).get("zero_optimization", {}).get("stage")
+
+
+def convertible(saved: dict, config: dict) -> bool:
+    """Whether DeepSpeed's universal checkpoint converts between these layouts: not between ZeRO-3 and
+    stages 1/2 (the trainer refuses that change, saying why: validation.check_layout_change)."""
+    return (zero_stage(saved) == 3) == (zero_stage(config) == 3)
 
 
 def layout_changes(saved: dict, config: dict) -> list[str]:
@@ -89,6 +108,10 @@ def _stage_for_universal(src: str, staged: str) -> None:
     """ds_to_universal's input: links to DIR/tag's DeepSpeed files, except the model-state
     files, copied without megatron-core's `_extra_state` entries (None; DeepSpeed 0.19's
     converter calls .float() on every module entry)."""
+    import torch
+
+    from megatron_lev.checkpointing.safe_load import safe_torch_load
+
     os.makedirs(staged)
     for name in os.listdir(src):
         path = os.path.join(src, name)
@@ -103,10 +126,36 @@ def _stage_for_universal(src: str, staged: str) -> None:
             os.symlink(os.path.abspath(path), os.path.join(staged, name))
 
 
-def convert_to_universal(ckpt_dir: str, tag: str, *, pipeline: bool, num_layers: int, tied: bool) -> str:
-    """DeepSpeed's ds_to_universal on DIR/tag, written to DIR/tag/universal (reused when
-    complete), with parameter directories named as this run's module names them
-    (pipeline or plain form). Rank 0 only. Returns the universal folder."""
+def conversion_workers(src: str, cores: int | None = None, available: int | None = None) -> int:
+    """ds_to_universal's workers for checkpoint folder `src`: one per core this process may use, as
+    many as the memory holds: each extraction worker holds one rank's optimizer file (the largest
+    here), and a worker's copies and merges about double it."""
+    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    if available is None:
+        available = _memory_available()
+    largest = max((os.path.getsize(os.path.join(src, name)) for name in os.listdir(src)
+                   if name.endswith("optim_states.pt")), default=0)
+    by_memory = available // (3 * largest) if largest and available else cores
+    return max(1, min(cores, by_memory))
+
+
+def _memory_available() -> int:
+    """MemAvailable of /proc/meminfo in bytes (0 when unknown: the cores decide)."""
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def convert_to_universal(ckpt_dir: str, tag: str, *, pipeline: bool, num_layers: int, tied: bool,
+                         workers: int = 1) -> str:
+    """DeepSpeed's ds_to_universal on DIR/tag with `workers` extraction and merge workers, written
+    to DIR/tag/universal (reused when complete), with parameter directories named as this run's
+    module names them (pipeline or plain form). One process only. Returns the universal folder."""
     from argparse import Namespace
 
     from deepspeed.checkpoint import ds_to_universal
@@ -118,12 +167,15 @@ def convert_to_universal(ckpt_dir: str, tag: str, *, pipeline: bool, num_layers:
     if os.path.isfile(os.path.join(out, COMPLETE_MARKER)):
         return out
     tmp, staged = out + ".tmp", out + ".input"
-    for leftover in (tmp, staged, out):
+    leftovers = [path for path in (tmp, staged, out) if os.path.exists(path)]
+    if leftovers:  # an interrupted conversion: never loaded (no marker), started again
+        print(f"removing the leftovers of an interrupted conversion: {', '.join(leftovers)}", flush=True)
+    for leftover in leftovers:
         shutil.rmtree(leftover, ignore_errors=True)
     _stage_for_universal(src, staged)
     try:
-        ds_to_universal.main(Namespace(input_folder=staged, output_folder=tmp, num_extract_workers=1,
-                                       num_merge_workers=1, keep_temp_folder=False, strict=True,
+        ds_to_universal.main(Namespace(input_folder=staged, output_folder=tmp, num_extract_workers=workers,
+                                       num_merge_workers=workers, keep_temp_folder=False, strict=True,
                                        inject_missing_state=False))
     except AssertionError as exc:
         if "universal_checkpoint_info" in str(exc):
@@ -146,3 +198,42 @@ def convert_to_universal(ckpt_dir: str, tag: str, *, pipeline: bool, num_layers:
     write_text_atomic(os.path.join(tmp, COMPLETE_MARKER), json.dumps({"source": tag}), durable=True)
     os.replace(tmp, out)
     return out
+
+
+def main(argv=None) -> int:
+    """`python -m megatron_lev.checkpointing.universal --load DIR --pipeline-model-parallel-size PP`:
+    convert DIR's newest checkpoint (or --tag's) to the universal form a run of PP stages loads."""
+    import argparse
+
+    from megatron_lev.checkpointing.catalog import find_latest, read_checkpoint_config
+
+    parser = argparse.ArgumentParser(prog="python -m megatron_lev.checkpointing.universal", description=main.__doc__)
+    parser.add_argument("--load", required=True, help="the checkpoint folder (--save of the run)")
+    parser.add_argument("--tag", help="the checkpoint to convert (default: the newest complete one)")
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                        help="the PP size of the run that will load it (names the parameters)")
+    parser.add_argument("--workers", type=int, help="extraction and merge workers (default: conversion_workers)")
+    args = parser.parse_args(argv)
+    tag = args.tag or find_latest(args.load)
+    if tag is None or not os.path.isfile(os.path.join(args.load, tag, COMPLETE_MARKER)):
+        print(f"{parser.prog}: error: --load {args.load}: no complete checkpoint{f' {tag}' if tag else ''} to convert",
+              file=sys.stderr)
+        return 2
+    model = read_checkpoint_config(args.load, tag).get("model") or {}
+    src = os.path.join(args.load, tag)
+    workers = args.workers or conversion_workers(src)
+    print(f"converting {src} to DeepSpeed's universal checkpoint in {os.path.join(src, UNIVERSAL)} "
+          f"({workers} workers)", flush=True)
+    start = time.perf_counter()
+    try:
+        convert_to_universal(args.load, tag, pipeline=args.pipeline_model_parallel_size > 1,
+                             num_layers=model["num_layers"], tied=model.get("embedding") == "tied", workers=workers)
+    except (ConfigError, OSError) as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"converted {src} in {time.perf_counter() - start:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

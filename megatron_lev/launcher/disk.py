@@ -1,0 +1,95 @@
+"""The checkpoint disk of a Slurm run, said at submit (dry run) and in the job's first lines: the
+size of one checkpoint, how many the run holds at most, and what that needs in CHECKPOINT_DIR.
+
+KEEP_CHECKPOINTS=K (the trainer's --keep-last-checkpoints) keeps the newest K: the run then holds
+K + 1 while the next one is written (the oldest is deleted once the new one is complete). K=0
+keeps all of them: one per SAVE_INTERVAL over the run, and the last. A resume at another layout
+converts the newest checkpoint next to it (iter_N/universal, about one checkpoint more).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_lev.checkpointing.catalog import complete_checkpoints
+from megatron_lev.checkpointing.space import estimated_checkpoint_bytes, folder_bytes, format_bytes, free_bytes
+
+KEEP_CHECKPOINTS_DEFAULT = 3
+
+
+@dataclass(frozen=True)
+class CheckpointDisk:
+    parameters: Optional[int]  # None: unknown (see `unknown`)
+    bytes_per_parameter: int
+    checkpoint_bytes: Optional[int]  # one checkpoint: the newest one's size, else the estimate
+    newest: Optional[str]  # the newest checkpoint already there, whose size is measured
+    keep: int  # 0: every checkpoint is kept
+    held: int  # checkpoints in the folder at most
+    train_iters: int
+    save_interval: int
+    free: Optional[int]  # free bytes on CHECKPOINT_DIR's filesystem now
+    present: int  # bytes the complete checkpoints there take now (counted in `needed`)
+    unknown: str = ""  # why the parameters could not be counted
+
+    @property
+    def needed(self) -> Optional[int]:
+        return None if self.checkpoint_bytes is None else self.held * self.checkpoint_bytes
+
+    def summary(self) -> str:
+        if self.checkpoint_bytes is None:
+            return f"checkpoint size unknown ({self.unknown}); KEEP_CHECKPOINTS={self.keep}"
+        size = format_bytes(self.checkpoint_bytes)
+        if self.newest:
+            basis = f"the size of {self.newest}"
+        else:
+            precision = "bf16 weights" if self.bytes_per_parameter == 14 else "fp32 weights"
+            basis = (f"{self.parameters:,} parameters x {self.bytes_per_parameter} bytes: {precision}, fp32 master "
+                     f"weights and Adam moments")
+        kept = (f"the newest {self.keep} kept (KEEP_CHECKPOINTS={self.keep}): {self.held} at most, while the next is "
+                f"written" if self.keep else
+                f"every one kept (KEEP_CHECKPOINTS=0): {self.held} over the run's {self.train_iters} iterations "
+                f"(SAVE_INTERVAL={self.save_interval})")
+        line = (f"one checkpoint is about {size} ({basis}); {kept}; the run needs about {format_bytes(self.needed)} in "
+                f"CHECKPOINT_DIR, and {size} more while a resume at another layout converts one")
+        if self.free is not None:
+            line += f"; {format_bytes(self.free)} free there now"
+        return line
+
+    def shortfall(self) -> Optional[str]:
+        """A warning when the filesystem cannot hold what the run needs (free + what its checkpoints
+        already take < needed), else None."""
+        if self.needed is None or self.free is None or self.free + self.present >= self.needed:
+            return None
+        return (f"warning: CHECKPOINT_DIR has {format_bytes(self.free)} free and its checkpoints take "
+                f"{format_bytes(self.present)}, but the run needs about {format_bytes(self.needed)}: a save that "
+                "cannot fit stops the run (lower KEEP_CHECKPOINTS or free space)")
+
+
+def plan_checkpoint_disk(args, *, keep: int, checkpoint_dir: str, bf16: bool) -> CheckpointDisk:
+    """The disk of the run whose trainer arguments are `args` (validate_flags's). The parameter count
+    is the model code's own (it imports torch: a few seconds, once per submit)."""
+    parameters, unknown = None, ""
+    try:
+        from megatron_lev.models.config import model_config_from_dict
+        from megatron_lev.models.param_count import count_parameters
+
+        parameters = count_parameters(model_config_from_dict(
+            args.model, tensor_model_parallel_size=args.tensor_model_parallel_size))["total"]
+    except ImportError as exc:
+        unknown = f"the model code cannot be imported here: {exc}"
+    except (TypeError, ValueError) as exc:
+        unknown = f"the config's model cannot be counted: {exc}"
+    per_parameter = estimated_checkpoint_bytes(1, bf16)
+    complete = [tag for _, tag in complete_checkpoints(checkpoint_dir)]
+    present = sum(folder_bytes(os.path.join(checkpoint_dir, tag)) for tag in complete)
+    newest = complete[-1] if complete else None
+    size = folder_bytes(os.path.join(checkpoint_dir, newest)) if newest else (
+        None if parameters is None else parameters * per_parameter)
+    saves = math.ceil(args.train_iters / args.save_interval)  # every SAVE_INTERVAL, and the last iteration
+    free = free_bytes(checkpoint_dir) if checkpoint_dir else None
+    return CheckpointDisk(parameters=parameters, bytes_per_parameter=per_parameter, checkpoint_bytes=size,
+                          newest=newest, keep=keep, held=min(keep + 1, saves) if keep else saves,
+                          train_iters=args.train_iters, save_interval=args.save_interval, free=free, present=present,
+                          unknown=unknown)
