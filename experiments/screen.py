@@ -35,6 +35,8 @@ ROWS = (
     ("unnormalised basis", "lev-unnorm-lr2e-3", "basis_normalize: false"),
     ("kappa 32", "lev-k32-lr2e-3", "num_knots: 32"),
     ("all four", "lev-author-lr2e-3", "the four together: the author's training"),
+    ("each family clipped alone", "lev-clipsep-lr2e-3", "--lev-clip-grad 1.0: the generator and the rest each "
+     "clipped to 1.0 by its own norm (not an author's option: the clipping that every LEV step met)"),
     ("frozen random table", "frozen-lr4e-3", "untied, its input table left at its init (4e-3, bracketed)"),
     ("tied", "tied-lr4e-3", "tied tables (4e-3, issue 32's rate)"),
     ("untied", "untied-lr4e-3", "untied tables (4e-3, issue 32's rate)"),
