@@ -14,7 +14,10 @@ The rule, fixed before the width trend and v1-regime runs:
 - "reproduced": the papers' direction, Holm-adjusted p < 0.05;
 - "not reproduced by this reconstruction at <size, tokens>": the opposite direction, Holm-
   adjusted p < 0.05 (for the v1 multiplier: a 95% interval entirely below 1);
-- "undecided": anything else. A claim made at 200M-1.2B is never called refuted here.
+- "undecided": anything else. A claim made at 200M-1.2B is never called refuted here;
+- the width trend (issue 42's primary outcome) is read by the rule the issue fixed before its
+  runs (`python -m megatron_lev.evaluation.trend`: "narrowing", "flat", "growing" or
+  "undecided"), tested alone; what Holm would give it inside the mechanism family is shown beside.
 """
 from __future__ import annotations
 
@@ -182,8 +185,36 @@ def build(results: str) -> dict:
                   "multiplier": v1["multiplier"], "ci95": v1["ci95"]}
     multiplier["verdict"] = (VERDICT_NOT.format(where="2.9M params, 2.46M tokens, tables 36% of untied")
                              if v1["ci95"][1] < 1 else "reproduced" if v1["ci95"][0] > 1 else "undecided")
+    width = width_trend(results, families["mechanism"])
     return {"rows": rows, "vocabulary_trend": vocab, "trend_row": trend_row, "v1_multiplier": multiplier,
+            "width_trend": width,
             "families": {f: sorted(keys) for f, keys in families.items()}, "rule": __doc__.split("The rule", 1)[1].split('"""')[0].strip()}
+
+
+def width_trend(results: str, mechanism: dict) -> dict:
+    """v2's size trend on the axis this machine has: LEV - tied per doubling of width (issue 42's
+    primary outcome, `python -m megatron_lev.evaluation.trend`). Its reading was fixed by the issue
+    before the runs and it is tested alone; what Holm would make of it inside the mechanism
+    family is reported beside it."""
+    with open(os.path.join(results, "issue42", "v8000", "trend", "trend.json")) as f:
+        trend = json.load(f)
+    slope, by_width = trend["slope"], trend["by_width"]
+    widths = [str(w) for w in trend["widths"]]
+    params = [by_width[w]["model_parameters"] / 1e6 for w in (widths[0], widths[-1])]
+    tokens = [by_width[w]["tokens_per_parameter"] for w in (widths[0], widths[-1])]
+    where = f"{params[0]:.1f}-{params[1]:.1f}M params, 2.46M tokens, V = 8k"
+    reading = trend["reading"].split(":")[0]
+    row = {"key": "width-trend", "claim": "v2's gain grows with size (2.1% / 5.6% / 9.2% at 200M / 400M / 1.2B): "
+           f"LEV - tied per doubling of width ({widths[0]}-{widths[-1]})", "papers": PAPERS_V2,
+           "ours": f"{params[0]:.1f}-{params[1]:.1f}M, 2.46M tokens ({tokens[0]:.2f} to {tokens[1]:.2f} per LEV "
+           f"parameter), V 8k, widths {', '.join(widths)}",
+           "mean": slope["mean"], "ci95": slope["ci95"], "p": slope["p"], "reading": reading,
+           "per_seed": {s: v["slope"] for s, v in trend["per_seed"].items()},
+           "gap_by_width": {w: by_width[w]["mean"] for w in widths},
+           "p_holm_if_mechanism": holm({**mechanism, "width-trend": slope["p"]})["width-trend"]}
+    row["verdict"] = {"narrowing": "a trend in the papers' direction (reading 'narrowing')",
+                      "growing": VERDICT_NOT.format(where=where) + " (reading 'growing')"}.get(reading, "undecided")
+    return row
 
 
 def _f(value, digits=3, signed=True):
@@ -203,6 +234,11 @@ def markdown(result: dict) -> str:
     t = result["trend_row"]
     lines.append(f"| {t['claim']} (mechanism) | {t['papers']} | {t['ours']} | deficit in total nats falls {100 * t['fall']:.0f}% "
                  f"(Welch over seeds) | {t['p']:.3f} ({t['p_holm']:.3f}) | {t['verdict']} |")
+    w = result["width_trend"]
+    seeds = ", ".join(_f(v) for v in w["per_seed"].values())
+    lines.append(f"| {w['claim']} | {w['papers']} | {w['ours']} | {_f(w['mean'])} [{_f(w['ci95'][0])}, "
+                 f"{_f(w['ci95'][1])}] nats per doubling (t interval); seeds {seeds} | {w['p']:.3f} (alone; "
+                 f"{w['p_holm_if_mechanism']:.3f} in the mechanism family) | {w['verdict']} |")
     m = result["v1_multiplier"]
     lines.append(f"| {m['claim']} | {m['papers']} | {m['ours']} | {m['multiplier']:.3f}x [{m['ci95'][0]:.3f}, "
                  f"{m['ci95'][1]:.3f}] (parametric bootstrap of the fit) | n/a | {m['verdict']} |")

@@ -63,3 +63,25 @@ def test_the_table_is_what_the_docs_quote_and_its_figures_are_the_nlls(tmp_path)
     assert not any("refuted" in r["verdict"] for r in result["rows"])
     trend = result["vocabulary_trend"]["lev:tied"]
     assert trend["fall"] == pytest.approx(1 - trend["mean_32k"] / trend["mean_8k"])
+
+
+def test_width_row_follows_the_trend_file_and_its_reading(tmp_path):
+    """The width row takes the trend tool's slope and reading as written; each reading maps to its
+    verdict, and the Holm figure beside it is the mechanism family with the width trend added."""
+    import json
+
+    v = _verdicts()
+    with open(os.path.join(RESULTS, "issue42", "v8000", "trend", "trend.json")) as f:
+        trend = json.load(f)
+    row = v.width_trend(RESULTS, {"a": 0.01, "b": 0.5})
+    assert row["mean"] == trend["slope"]["mean"] and row["ci95"] == trend["slope"]["ci95"]
+    assert row["per_seed"] == {s: p["slope"] for s, p in trend["per_seed"].items()}
+    assert row["p_holm_if_mechanism"] == pytest.approx(holm({"a": 0.01, "b": 0.5, "w": trend["slope"]["p"]})["w"])
+    out = tmp_path / "issue42" / "v8000" / "trend"
+    out.mkdir(parents=True)
+    for reading, verdict in (("narrowing: the gap closes with width", "a trend in the papers' direction"),
+                             ("growing: evidence against the mechanism in range", "not reproduced by this"),
+                             ("flat: scale gives no support in range", "undecided"),
+                             ("undecided", "undecided")):
+        (out / "trend.json").write_text(json.dumps({**trend, "reading": reading}))
+        assert v.width_trend(str(tmp_path), {})["verdict"].startswith(verdict), reading

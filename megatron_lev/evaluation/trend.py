@@ -157,8 +157,9 @@ def plot(result: dict, path: str, model: str, baseline: str) -> str:
     xs = np.array(result["widths"], dtype=float)
     for seed, fit in result["per_seed"].items():
         ws = fit["widths"]
-        ax.plot(ws, [result["points"][f"{w}:{seed}"]["gap"] for w in ws], "o", label=f"seed {seed}")
-        ax.plot(xs, fit["intercept"] + fit["slope"] * np.log2(xs), "-", alpha=0.4)
+        (points,) = ax.plot(ws, [result["points"][f"{w}:{seed}"]["gap"] for w in ws], "o", label=f"seed {seed}")
+        # the seed's own line in its points' colour, so each line reads with its points
+        ax.plot(xs, fit["intercept"] + fit["slope"] * np.log2(xs), "-", alpha=0.4, color=points.get_color())
     ax.plot(xs, result["intercept"] + result["slope"]["mean"] * np.log2(xs), "k-", label="mean line")
     ax.axhline(0.0, color="grey", lw=1)
     ax.set_xscale("log", base=2)
