@@ -18,6 +18,9 @@ The rule, fixed before the width trend and v1-regime runs:
 - the width trend (issue 42's primary outcome) is read by the rule the issue fixed before its
   runs (`python -m megatron_lev.evaluation.trend`: "narrowing", "flat", "growing" or
   "undecided"), tested alone; what Holm would give it inside the mechanism family is shown beside.
+- v1 in its own regime (issue 42) is read by the rule the issue fixed before its runs
+  (experiments/v1regime.py: LEV-iso against untied and against the factorised control, Holm over
+  that pair); what Holm would give LEV-iso - untied inside the headline family is shown beside.
 """
 from __future__ import annotations
 
@@ -186,8 +189,9 @@ def build(results: str) -> dict:
     multiplier["verdict"] = (VERDICT_NOT.format(where="2.9M params, 2.46M tokens, tables 36% of untied")
                              if v1["ci95"][1] < 1 else "reproduced" if v1["ci95"][0] > 1 else "undecided")
     width = width_trend(results, families["mechanism"])
+    v1_16k = v1_regime(results, families["headline"])
     return {"rows": rows, "vocabulary_trend": vocab, "trend_row": trend_row, "v1_multiplier": multiplier,
-            "width_trend": width,
+            "width_trend": width, **v1_16k,
             "families": {f: sorted(keys) for f, keys in families.items()}, "rule": __doc__.split("The rule", 1)[1].split('"""')[0].strip()}
 
 
@@ -217,6 +221,49 @@ def width_trend(results: str, mechanism: dict) -> dict:
     return row
 
 
+def v1_regime(results: str, headline: dict) -> dict:
+    """v1 in its own regime (issue 42: 16k, width 64, tables 91% of untied, LEV at 22 layers;
+    experiments/v1regime.py): LEV-iso - untied and LEV-iso - the factorised control decide the
+    reading the issue fixed before the runs, Holm over that pair; what Holm would give LEV-iso -
+    untied inside the headline family is shown beside. And v1's multiplier over the 16k ladder."""
+    path = os.path.join(results, "issue42", "v16000", "v1regime.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    out = {}
+    gap, control = data["family"]["lev - untied"], data["family"]["lev - fact"]
+    if gap is not None and gap["test"]["p"] is not None:
+        where = "2.3M params, 2.46M tokens, V = 16k, tables 91% of untied"
+        reading = data["reading"]
+        row = {"key": "v1-16k", "claim": "v1 isoparametric in v1's regime: LEV-iso beats untied at equal parameters",
+               "papers": PAPERS_V1, "ours": "2.3M, 2.46M tokens, V 16k, tables 91% of untied, LEV 22 vs 4 layers "
+               "(kappa 32); a factorised table at LEV's depth and total as the control",
+               "per_seed": gap["per_seed"], **t_interval(list(gap["per_seed"].values())), "p": gap["test"]["p"],
+               "p_holm": gap["p_holm"], "p_holm_if_headline": holm({**headline, "v1-16k": gap["test"]["p"]})["v1-16k"],
+               "control": None if control is None else {"mean": control["mean"], "p": control["test"]["p"],
+                                                        "p_holm": control.get("p_holm")},
+               "reading": reading}
+        row["verdict"] = ("undecided (running: the reading needs the factorised control's seeds)" if reading is None
+                          else "reproduced" if reading.startswith("ahead of both")
+                          else f"LEV-iso ahead of untied, as depth: {reading.split(': ', 1)[1]}" if reading.startswith("ahead")
+                          else VERDICT_NOT.format(where=where) if reading.startswith("behind") else "undecided")
+        out["v1_regime"] = row
+    scaling = os.path.join(results, "issue42", "v16000", "scaling", "scaling.json")
+    if os.path.isfile(scaling):
+        with open(scaling) as f:
+            fit = json.load(f)
+        model = fit["models"]["lev16k-iso"]
+        sizes = len(fit["fit"]["sizes"])
+        multiplier = {"key": "v1-16k-multiplier", "claim": "v1 in v1's regime: LEV-iso is worth 1.47-2.11x its parameters "
+                      "in dense models", "papers": PAPERS_V1, "ours": f"2.3M, V 16k, {sizes}-size untied ladder",
+                      "multiplier": model["multiplier"], "ci95": model["ci95"]}
+        multiplier["verdict"] = (VERDICT_NOT.format(where="2.3M params, 2.46M tokens, tables 91% of untied")
+                                 if model["ci95"][1] < 1 else "reproduced" if model["ci95"][0] > 1 else "undecided")
+        out["v1_regime_multiplier"] = multiplier
+    return out
+
+
 def _f(value, digits=3, signed=True):
     return "n/a" if value is None else (f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}")
 
@@ -239,9 +286,19 @@ def markdown(result: dict) -> str:
     lines.append(f"| {w['claim']} | {w['papers']} | {w['ours']} | {_f(w['mean'])} [{_f(w['ci95'][0])}, "
                  f"{_f(w['ci95'][1])}] nats per doubling (t interval); seeds {seeds} | {w['p']:.3f} (alone; "
                  f"{w['p_holm_if_mechanism']:.3f} in the mechanism family) | {w['verdict']} |")
-    m = result["v1_multiplier"]
-    lines.append(f"| {m['claim']} | {m['papers']} | {m['ours']} | {m['multiplier']:.3f}x [{m['ci95'][0]:.3f}, "
-                 f"{m['ci95'][1]:.3f}] (parametric bootstrap of the fit) | n/a | {m['verdict']} |")
+    v = result.get("v1_regime")
+    if v is not None:
+        seeds = ", ".join(_f(x) for x in v["per_seed"].values())
+        c = v["control"]
+        beside = "" if c is None else f"; LEV-iso - factorised {_f(c['mean'])} (p {_f(c['p'], signed=False)})"
+        lines.append(f"| {v['claim']} | {v['papers']} | {v['ours']} | {_f(v['mean'])} [{_f(v['ci95'][0])}, "
+                     f"{_f(v['ci95'][1])}] (t interval); seeds {seeds}{beside} | {v['p']:.3f} ({v['p_holm']:.3f} over the "
+                     f"reading's pair; {v['p_holm_if_headline']:.3f} in the headline family) | {v['verdict']} |")
+    for key in ("v1_multiplier", "v1_regime_multiplier"):
+        m = result.get(key)
+        if m is not None:
+            lines.append(f"| {m['claim']} | {m['papers']} | {m['ours']} | {m['multiplier']:.3f}x [{m['ci95'][0]:.3f}, "
+                         f"{m['ci95'][1]:.3f}] (parametric bootstrap of the fit) | n/a | {m['verdict']} |")
     lines += ["", "Vocabulary trend, total nats over the validation documents (per-position difference x positions), "
               "mean of 3 seeds:", "", "| pair | 8k | 32k | fall | Welch p |", "|---|---|---|---|---|"]
     for pair, v in result["vocabulary_trend"].items():

@@ -85,3 +85,28 @@ def test_width_row_follows_the_trend_file_and_its_reading(tmp_path):
                              ("undecided", "undecided")):
         (out / "trend.json").write_text(json.dumps({**trend, "reading": reading}))
         assert v.width_trend(str(tmp_path), {})["verdict"].startswith(verdict), reading
+
+
+def test_v1_regime_row_follows_v1regime_and_its_reading(tmp_path):
+    """The v1-regime row takes experiments/v1regime.py's pair as written; each reading maps to its
+    verdict, and the Holm figure beside it is the headline family with LEV-iso - untied added."""
+    import json
+
+    v = _verdicts()
+    with open(os.path.join(RESULTS, "issue42", "v16000", "v1regime.json")) as f:
+        data = json.load(f)
+    row = v.v1_regime(RESULTS, {"a": 0.01, "b": 0.5})["v1_regime"]
+    gap = data["family"]["lev - untied"]
+    assert row["per_seed"] == gap["per_seed"] and row["p"] == gap["test"]["p"] and row["p_holm"] == gap["p_holm"]
+    assert row["p_holm_if_headline"] == pytest.approx(holm({"a": 0.01, "b": 0.5, "g": gap["test"]["p"]})["g"])
+    out = tmp_path / "issue42" / "v16000"
+    out.mkdir(parents=True)
+    for reading, verdict in (("ahead of both: v1 reproduced in its regime at this size", "reproduced"),
+                             ("ahead of untied, level with the factorised control: depth, not LEV",
+                              "LEV-iso ahead of untied, as depth: depth, not LEV"),
+                             ("behind untied: not reproduced by this reconstruction at 2.3M parameters, 2.46M tokens",
+                              "not reproduced by this reconstruction at 2.3M params"),
+                             ("level with untied: undecided", "undecided"),
+                             (None, "undecided (running")):
+        (out / "v1regime.json").write_text(json.dumps({**data, "reading": reading}))
+        assert v.v1_regime(str(tmp_path), {})["v1_regime"]["verdict"].startswith(verdict), reading
