@@ -71,3 +71,24 @@ def test_the_reading_follows_the_rule_fixed_before_the_runs():
     assert v1.direction({"mean": -0.1, "p_holm": 0.05}) == "level"
     assert v1.direction({"mean": -0.1, "p_holm": None}) is None
     assert v1.rate(0.016) == "1.6e-2" and v1.rate(0.004) == "4e-3"
+
+
+def test_a_split_rate_gives_way_to_its_stable_neighbour_only_on_every_seed():
+    v1 = _module()
+    row = {"kind": "fact16k-iso", "group": "fact", "chosen": "8e-3", "chosen_run": "fact16k-iso-lr8e-3"}
+    split = {"1": 3.94, "2": 3.90, "3": 4.07}
+    # Two seeds of the neighbour are not enough: seed 1's choice stands, the partial scores are dropped.
+    losses = {"fact": dict(split), "fact-lr4e-3": {"1": 3.95, "2": 3.91}}
+    v1.switch_to_stable_neighbour(row, losses)
+    assert row["chosen"] == "8e-3" and losses == {"fact": split}
+    # Every seed, a better mean: the neighbour is chosen and its scores stand for the kind.
+    losses = {"fact": dict(split), "fact-lr4e-3": {"1": 3.95, "2": 3.91, "3": 3.93}}
+    v1.switch_to_stable_neighbour(row, losses)
+    assert (row["chosen"], row["chosen_run"]) == ("4e-3", "fact16k-iso-lr4e-3")
+    assert losses == {"fact": {"1": 3.95, "2": 3.91, "3": 3.93}}
+    assert row["alternatives"] == pytest.approx({"4e-3": 3.93, "8e-3": sum(split.values()) / 3})
+    # A worse mean: seed 1's choice stands.
+    row = {"kind": "fact16k-iso", "group": "fact", "chosen": "8e-3", "chosen_run": "fact16k-iso-lr8e-3"}
+    losses = {"fact": dict(split), "fact-lr4e-3": {"1": 4.0, "2": 4.0, "3": 4.0}}
+    v1.switch_to_stable_neighbour(row, losses)
+    assert row["chosen"] == "8e-3" and losses == {"fact": split}
