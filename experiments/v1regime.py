@@ -48,6 +48,8 @@ KINDS = (
     ("LEV-iso, 22 layers", "lev16k-iso", "lev", "lev16k-iso"),
     ("factorised, 22 layers, rank 10", "fact16k-iso", "fact", "fact16k-iso"),
 )
+# The dense untied ladder of v1's multiplier (4 layers, 16k; width 64 is the baseline above).
+LADDER = tuple(f"untied16k-w{w}" for w in (32, 48, 64, 96, 128))
 FAMILY = (("lev", "untied"), ("lev", "fact"))
 DESCRIBED = (("lev", "tied"), ("fact", "untied"), ("untied", "tied"))
 ALPHA = 0.05
@@ -59,10 +61,10 @@ def rate(lr: float) -> str:
     return f"{mantissa.removesuffix('.0')}e{int(exponent)}"
 
 
-def brackets(runs: str) -> dict:
+def brackets(runs: str, kinds: tuple[str, ...]) -> dict:
     """{kind: {"rates": {lr: {"trainer", "evaluator"}}, "chosen": lr, "edge": bool}} at seed 1."""
     out = {}
-    for _, kind, _, _ in KINDS:
+    for kind in kinds:
         rates = {}
         for entry in sorted(os.listdir(runs)):
             parsed = parse_run_name(entry)
@@ -156,8 +158,14 @@ def switch_to_stable_neighbour(row: dict, losses: dict) -> None:
 
 def build(results: str) -> dict:
     runs = os.path.join(results, "runs")
-    bracket = brackets(runs)
+    bracket = brackets(runs, tuple(k[1] for k in KINDS))
     losses = whole_split(os.path.join(results, "eval"))
+    ladder = []
+    for kind, row in brackets(runs, LADDER).items():
+        scores = {e.rpartition("-s")[2]: evaluator_loss(os.path.join(runs, e)) for e in sorted(os.listdir(runs))
+                  if e.startswith(row["chosen_run"] + "-s") and os.path.isfile(os.path.join(runs, e, "evaluation.json"))}
+        ladder.append({"kind": kind, **row, "parameters": parameters(os.path.join(runs, row["chosen_run"] + "-s1")),
+                       "evaluator_by_seed": scores})
     positions = losses.pop("_positions", set())
     if len(positions) > 1:
         raise ValueError(f"the whole-split groups scored different numbers of positions: {sorted(positions)}")
@@ -191,7 +199,7 @@ def build(results: str) -> dict:
             row["direction"] = direction(row)
     described = {f"{m} - {b}": comparison(losses, m, b) for m, b in DESCRIBED}
     lev_untied, lev_fact = (family[f"{m} - {b}"] for m, b in FAMILY)
-    return {"kinds": kinds, "family": family, "described": described, "positions": next(iter(positions), None),
+    return {"kinds": kinds, "ladder": ladder, "family": family, "described": described, "positions": next(iter(positions), None),
             "reading": reading(direction(lev_untied), direction(lev_fact)),
             "fit": None if scaling is None else {k: scaling["fit"][k] for k in ("E", "A", "alpha", "chi2", "dof")}}
 
@@ -210,6 +218,15 @@ def markdown(result: dict) -> str:
         edge = " (edge)" if k.get("edge") else ""
         lines.append(f"| {k['label']} ({_f(k['parameters'], ',')}) | " + " | ".join(cells)
                      + f" | {k.get('chosen', '—')}{edge} |")
+    ladder_rates = sorted({lr for k in result["ladder"] for lr in k["rates"]}, key=float)
+    lines += ["", "The untied ladder (4 layers), seed 1's brackets as above; the evaluator at the chosen rate by seed", "",
+              "| width (parameters) | " + " | ".join(ladder_rates) + " | chosen | evaluator by seed |",
+              "|---" * (len(ladder_rates) + 3) + "|"]
+    for k in result["ladder"]:
+        cells = [f"{k['rates'][lr]['trainer']:.4f}" if lr in k["rates"] else "" for lr in ladder_rates]
+        scores = " / ".join(f"{v:.4f}" for _, v in sorted(k["evaluator_by_seed"].items()))
+        lines.append(f"| {k['kind'].rpartition('-w')[2]} ({k['parameters']:,}) | " + " | ".join(cells)
+                     + f" | {k['chosen']}{' (edge)' if k['edge'] else ''} | {scores} |")
     lines += ["", f"The chosen rates on the whole validation split ({_f(result['positions'], ',')} positions), per seed; "
               "v1's multiplier over the 16k untied ladder", "",
               "| kind | rate | whole split, per seed | mean ± std | step 1,200: cosine / eff. rank | N_eff | multiplier [95%] |",
