@@ -148,9 +148,11 @@ def switch_to_stable_neighbour(row: dict, losses: dict) -> None:
         if not seed1 or set(other) != set(seed1) or len(other) < 3:
             continue  # not every seed yet: the seed-1 choice stands
         lr = name[len(group + "-lr"):]
+        row.setdefault("alternative_scores", {})[lr] = other
         row["alternatives"][lr] = float(np.mean(list(other.values())))
         row["alternatives"][row["chosen"]] = float(np.mean(list(seed1.values())))
         if row["alternatives"][lr] < row["alternatives"][row["chosen"]]:
+            row["alternative_scores"] = {row["chosen"]: seed1}
             row["chosen"], row["chosen_run"] = lr, f"{row['kind']}-lr{lr}"
             row["chosen_by"] = "the better 3-seed mean on the whole split (seeds split at seed 1's rate)"
             losses[group] = other
@@ -198,6 +200,11 @@ def build(results: str) -> dict:
             row["p_holm"] = adjusted[name]
             row["direction"] = direction(row)
     described = {f"{m} - {b}": comparison(losses, m, b) for m, b in DESCRIBED}
+    # The rate not chosen where a split rate met its stable neighbour: the reading's pair at it.
+    for k in kinds:
+        for lr, scores in k.get("alternative_scores", {}).items():
+            if lr != k["chosen"]:
+                described[f"lev - {k['group']} at {lr}"] = comparison({**losses, "other": scores}, "lev", "other")
     lev_untied, lev_fact = (family[f"{m} - {b}"] for m, b in FAMILY)
     return {"kinds": kinds, "ladder": ladder, "family": family, "described": described, "positions": next(iter(positions), None),
             "reading": reading(direction(lev_untied), direction(lev_fact)),
@@ -240,7 +247,7 @@ def markdown(result: dict) -> str:
                  f"{np.mean([a['embedding_effective_rank'] for a in at]):.1f}") if at else "—"
         sc = k["scaling"]
         mult = "—" if sc is None else f"{sc['multiplier']:.3f}x [{sc['ci95'][0]:.3f}, {sc['ci95'][1]:.3f}]"
-        alternatives = ", ".join(f"{lr} {m:.4f}" for lr, m in k.get("alternatives", {}).items())
+        alternatives = ", ".join(f"{lr} {m:.5f}" for lr, m in k.get("alternatives", {}).items())
         chosen = k.get("chosen", "—") + (f" (3-seed means: {alternatives})" if alternatives else "")
         lines.append(f"| {k['label']} | {chosen} | {per_seed} | {_f(ws['mean'], '.4f')}{spread} | "
                      f"{stats} | {'—' if sc is None else format(sc['n_eff'] / 1e6, '.2f') + 'M'} | {mult} |")
