@@ -110,3 +110,21 @@ def test_v1_regime_row_follows_v1regime_and_its_reading(tmp_path):
                              (None, "undecided (running")):
         (out / "v1regime.json").write_text(json.dumps({**data, "reading": reading}))
         assert v.v1_regime(str(tmp_path), {})["v1_regime"]["verdict"].startswith(verdict), reading
+
+
+def test_v1_regime_multiplier_row_reads_the_16k_fit(tmp_path):
+    """Once the 16k ladder is fitted, LEV-iso's multiplier gets a row: its interval decides the
+    verdict as for the 8k multiplier (entirely below 1: not reproduced; above 1: reproduced)."""
+    import json
+
+    v = _verdicts()
+    out = tmp_path / "issue42" / "v16000" / "scaling"
+    out.mkdir(parents=True)
+    sizes = [{"params": p} for p in (1, 2, 3, 4, 5)]
+    for ci95, verdict in (([0.4, 0.6], "not reproduced by this reconstruction at 2.3M params"),
+                          ([1.2, 1.9], "reproduced"), ([0.8, 1.3], "undecided")):
+        fit = {"fit": {"sizes": sizes}, "models": {"lev16k-iso": {"multiplier": sum(ci95) / 2, "ci95": ci95}}}
+        (out / "scaling.json").write_text(json.dumps(fit))
+        row = v.v1_regime(str(tmp_path), {})["v1_regime_multiplier"]
+        assert row["verdict"].startswith(verdict) and row["ci95"] == ci95
+        assert "5-size untied ladder" in row["ours"]
