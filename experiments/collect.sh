@@ -11,7 +11,8 @@
 #        beside copies of its metrics.jsonl and train.log. Evaluated runs are skipped.
 # group: the runs, scored together on the whole validation split, by training-count bins of the
 #        train split and with every position's NLL (--save-token-nll) -> DIR/vVOCAB/eval/NAME/
-#        (megatron_lev.evaluation.bins reads it).
+#        (megatron_lev.evaluation.bins reads it). token_nll.npz is not committed (.gitignore: the
+#        working tree travels to the GPU machine in 64 MiB); the bins' outputs are.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 py=${PYTHON:-$repo/.venv/bin/python}
