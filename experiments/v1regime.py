@@ -77,7 +77,7 @@ def brackets(runs: str, kinds: tuple[str, ...]) -> dict:
                                 "evaluator": evaluator_loss(run)}
         if rates:
             chosen = min(rates, key=lambda lr: rates[lr]["trainer"])
-            out[kind] = {"rates": {rate(lr): v for lr, v in sorted(rates.items())}, "chosen": rate(chosen),
+            out[kind] = {"rates": {rate(lr): v for lr, v in sorted(rates.items())}, "chosen": rate(chosen), "seed1_chosen": rate(chosen),
                          "chosen_run": rates[chosen]["run"][:-len("-s1")],
                          "edge": len(rates) > 1 and chosen in (min(rates), max(rates))}
     return out
@@ -223,8 +223,10 @@ def markdown(result: dict) -> str:
         cells = [f"{k['rates'][lr]['trainer']:.4f} ({k['rates'][lr]['evaluator']:.4f})" if lr in k.get("rates", {})
                  else "" for lr in rates]
         edge = " (edge)" if k.get("edge") else ""
-        lines.append(f"| {k['label']} ({_f(k['parameters'], ',')}) | " + " | ".join(cells)
-                     + f" | {k.get('chosen', '—')}{edge} |")
+        chosen = k.get("seed1_chosen", "—") + edge
+        if k.get("chosen", "—") != k.get("seed1_chosen", "—"):
+            chosen += f", then {k['chosen']} (its seeds split: see below)"
+        lines.append(f"| {k['label']} ({_f(k['parameters'], ',')}) | " + " | ".join(cells) + f" | {chosen} |")
     ladder_rates = sorted({lr for k in result["ladder"] for lr in k["rates"]}, key=float)
     lines += ["", "The untied ladder (4 layers), seed 1's brackets as above; the evaluator at the chosen rate by seed", "",
               "| width (parameters) | " + " | ".join(ladder_rates) + " | chosen | evaluator by seed |",
