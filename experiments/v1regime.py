@@ -89,11 +89,18 @@ def parameters(run_dir: str) -> int:
     return int(model["parameters"])
 
 
+def seed_runs(runs: str, name: str) -> dict:
+    """{seed: run folder} of NAME-sSEED runs that have been collected (evaluation.json)."""
+    return {e.rpartition("-s")[2]: os.path.join(runs, e) for e in sorted(os.listdir(runs))
+            if e.startswith(name + "-s") and os.path.isfile(os.path.join(runs, e, "evaluation.json"))}
+
+
 def whole_split(eval_dir: str) -> dict:
     """{group name: {seed: loss}} from eval/v1-sN[-...]/evaluation.json."""
     found: dict = {}
+    positions: set = set()
     if not os.path.isdir(eval_dir):
-        return found
+        return found, positions
     for entry in sorted(os.listdir(eval_dir)):
         path = os.path.join(eval_dir, entry, "evaluation.json")
         if not (entry.startswith("v1-s") and os.path.isfile(path)):
@@ -103,8 +110,8 @@ def whole_split(eval_dir: str) -> dict:
             models = json.load(f)["models"]
         for name, model in models.items():
             found.setdefault(name, {})[seed] = float(model["loss"])
-            found.setdefault("_positions", set()).add(int(model["tokens"]))
-    return found
+            positions.add(int(model["tokens"]))
+    return found, positions
 
 
 def comparison(losses: dict, model: str, baseline: str) -> dict | None:
@@ -113,7 +120,7 @@ def comparison(losses: dict, model: str, baseline: str) -> dict | None:
     if not diffs:
         return None
     stat = mean_std(diffs.values())
-    return {"pair": f"{model} - {baseline}", "per_seed": diffs, **stat, **{"test": paired_t_test(diffs)}}
+    return {"pair": f"{model} - {baseline}", "per_seed": diffs, **stat, "test": paired_t_test(diffs)}
 
 
 def direction(row: dict | None) -> str | None:
@@ -161,14 +168,12 @@ def switch_to_stable_neighbour(row: dict, losses: dict) -> None:
 def build(results: str) -> dict:
     runs = os.path.join(results, "runs")
     bracket = brackets(runs, tuple(k[1] for k in KINDS))
-    losses = whole_split(os.path.join(results, "eval"))
+    losses, positions = whole_split(os.path.join(results, "eval"))
     ladder = []
     for kind, row in brackets(runs, LADDER).items():
-        scores = {e.rpartition("-s")[2]: evaluator_loss(os.path.join(runs, e)) for e in sorted(os.listdir(runs))
-                  if e.startswith(row["chosen_run"] + "-s") and os.path.isfile(os.path.join(runs, e, "evaluation.json"))}
+        scores = {seed: evaluator_loss(run) for seed, run in seed_runs(runs, row["chosen_run"]).items()}
         ladder.append({"kind": kind, **row, "parameters": parameters(os.path.join(runs, row["chosen_run"] + "-s1")),
                        "evaluator_by_seed": scores})
-    positions = losses.pop("_positions", set())
     if len(positions) > 1:
         raise ValueError(f"the whole-split groups scored different numbers of positions: {sorted(positions)}")
     scaling_path = os.path.join(results, "scaling", "scaling.json")
@@ -181,11 +186,8 @@ def build(results: str) -> dict:
         row = {"label": label, "kind": kind, "group": group, **bracket.get(kind, {}), "chosen_by": "seed 1's trainer"}
         switch_to_stable_neighbour(row, losses)
         chosen = row.get("chosen_run")
-        seeds = {}
-        for entry in sorted(os.listdir(runs)):
-            if chosen and entry.startswith(chosen + "-s") and os.path.isfile(os.path.join(runs, entry, "evaluation.json")):
-                seeds[entry.rpartition("-s")[2]] = {"evaluator": evaluator_loss(os.path.join(runs, entry)),
-                                                     **embedding_statistics(os.path.join(runs, entry))}
+        seeds = {seed: {"evaluator": evaluator_loss(run), **embedding_statistics(run)}
+                 for seed, run in (seed_runs(runs, chosen) if chosen else {}).items()}
         row["seeds"] = seeds
         row["evaluator"] = mean_std(s["evaluator"] for s in seeds.values())
         row["whole_split"] = {**mean_std(losses.get(group, {}).values()), "per_seed": losses.get(group, {})}
