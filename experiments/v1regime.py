@@ -95,8 +95,9 @@ def seed_runs(runs: str, name: str) -> dict:
             if e.startswith(name + "-s") and os.path.isfile(os.path.join(runs, e, "evaluation.json"))}
 
 
-def whole_split(eval_dir: str) -> dict:
-    """{group name: {seed: loss}} from eval/v1-sN[-...]/evaluation.json."""
+def whole_split(eval_dir: str) -> tuple[dict, set]:
+    """{group name: {seed: loss}} from eval/v1-sN[-...]/evaluation.json, and the set of position
+    counts the groups scored (one, when they all scored the same split)."""
     found: dict = {}
     positions: set = set()
     if not os.path.isdir(eval_dir):
@@ -155,11 +156,9 @@ def switch_to_stable_neighbour(row: dict, losses: dict) -> None:
         if not seed1 or set(other) != set(seed1) or len(other) < 3:
             continue  # not every seed yet: the seed-1 choice stands
         lr = name[len(group + "-lr"):]
-        row.setdefault("alternative_scores", {})[lr] = other
-        row["alternatives"][lr] = float(np.mean(list(other.values())))
-        row["alternatives"][row["chosen"]] = float(np.mean(list(seed1.values())))
+        row["scores_by_rate"] = {lr: other, row["chosen"]: seed1}
+        row["alternatives"] = {r: float(np.mean(list(s.values()))) for r, s in row["scores_by_rate"].items()}
         if row["alternatives"][lr] < row["alternatives"][row["chosen"]]:
-            row["alternative_scores"] = {row["chosen"]: seed1}
             row["chosen"], row["chosen_run"] = lr, f"{row['kind']}-lr{lr}"
             row["chosen_by"] = "the better 3-seed mean on the whole split (seeds split at seed 1's rate)"
             losses[group] = other
@@ -204,7 +203,7 @@ def build(results: str) -> dict:
     described = {f"{m} - {b}": comparison(losses, m, b) for m, b in DESCRIBED}
     # The rate not chosen where a split rate met its stable neighbour: the reading's pair at it.
     for k in kinds:
-        for lr, scores in k.get("alternative_scores", {}).items():
+        for lr, scores in k.get("scores_by_rate", {}).items():
             if lr != k["chosen"]:
                 described[f"lev - {k['group']} at {lr}"] = comparison({**losses, "other": scores}, "lev", "other")
     lev_untied, lev_fact = (family[f"{m} - {b}"] for m, b in FAMILY)
