@@ -176,6 +176,28 @@ def test_dead_worker_fails_the_run_cleanly(tmp_path, python_corpus, spm_tokenize
     assert output_files(out) == []
 
 
+def test_stopping_workers_waits_for_the_pools_manager_thread():
+    """After _stop_workers the pool's manager thread has ended and closed its wake-up pipe,
+    so Python 3.11's exit hook cannot write to a pipe that thread is closing (the race that
+    ended an interrupted run in "OSError: [Errno 9] Bad file descriptor")."""
+    import multiprocessing
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+
+    from megatron_lev.data.preprocess import _stop_workers
+
+    pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork"))
+    futures = [pool.submit(time.sleep, 300) for _ in range(4)]
+    while sum(f.running() for f in futures) < 2:
+        time.sleep(0.05)
+    processes, manager = list(pool._processes.values()), pool._executor_manager_thread
+    wakeup = manager.thread_wakeup
+    _stop_workers(pool)
+    assert [p.exitcode for p in processes] == [-15, -15]
+    assert not manager.is_alive() and wakeup._closed
+    assert all(f.done() for f in futures)
+
+
 @pytest.mark.parametrize("kind", [*BAD_CASES, "truncated", "missing_split_key"])
 def test_strict_fails_and_leaves_no_output(tmp_path, spm_tokenizer, kind):
     folder = tmp_path / "in"

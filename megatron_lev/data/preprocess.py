@@ -333,8 +333,13 @@ def _run(args, files, tokenizer, keys, dtype, work_dir, log) -> PreprocessSummar
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
     """End the pool's worker processes now (SIGTERM, then wait for them): none is left
-    running, or orphaned, once the run has failed or was interrupted."""
+    running, or orphaned, once the run has failed or was interrupted. Then wait for the
+    pool's manager thread to finish closing its wake-up pipe: on Python 3.11 the exit hook
+    that wakes that thread can write to the pipe while the thread closes it, and the exit
+    ends in "OSError: [Errno 9] Bad file descriptor" after our error line (CPython
+    gh-125451: the fix reached 3.12 and 3.13, not 3.11)."""
     processes = list((getattr(pool, "_processes", None) or {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         if process.is_alive():
@@ -344,6 +349,9 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
         if process.is_alive():
             process.kill()
             process.join()
+    if manager is not None:
+        # The workers are gone, so the thread sees them die and winds up at once.
+        manager.join(timeout=30)
 
 
 def _print_summary(s: PreprocessSummary, dtype, log) -> None:
