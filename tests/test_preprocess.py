@@ -188,8 +188,10 @@ def test_stopping_workers_waits_for_the_pools_manager_thread():
 
     pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork"))
     futures = [pool.submit(time.sleep, 300) for _ in range(4)]
-    while sum(f.running() for f in futures) < 2:
+    deadline = time.time() + 60
+    while sum(f.running() for f in futures) < 2 and time.time() < deadline:
         time.sleep(0.05)
+    assert sum(f.running() for f in futures) >= 2, "the pool never started its work"
     processes, manager = list(pool._processes.values()), pool._executor_manager_thread
     wakeup = manager.thread_wakeup
     _stop_workers(pool)
