@@ -8,7 +8,11 @@ ends with the uninterrupted run's losses; USR1 through `scancel --signal=USR1 --
 and the job resumes at the next iteration with the same learning rates and losses as the
 uninterrupted run; `scancel` then stops it with `latest` intact; preprocessing runs as a job
 array; a dry run prints what it prints through the shims, and a bad EXTRA_ARGS is refused in the
-same line."""
+same line.
+
+Every kill and signal lands at a known iteration: the test-only hook tests/trainer_hold_hook holds
+the trainers after that iteration until the test has acted (a signal also releases them), so no
+test races the run, however fast the machine trains."""
 from __future__ import annotations
 
 import os
@@ -27,6 +31,7 @@ from tests.test_slurm_jobs import _run_config, _training_records
 TRAIN_ITERS = 60  # the schedule of both runs; the interrupted one is stopped long before
 SAVE_INTERVAL = 5
 SBATCH = "slurm/train_lev_1b.sh"
+HOLD_HOOK = Path(__file__).resolve().parent / "trainer_hold_hook"
 
 
 def _read(path: Path) -> str:
@@ -83,11 +88,30 @@ def cpu_smoke_env(slurm_cluster, tmp_path_factory, tiny_dataset, spm_tokenizer):
                 EXTRA_ARGS="--split 90,8,2 --eval-interval 100000 --eval-iters 1")
 
 
-def _submit_training(cluster, tmp_path_factory, name: str, **variables) -> Job:
+def _submit_training(cluster, tmp_path_factory, name: str, holds: tuple[int, ...] = (), **variables) -> Job:
+    """Submit a training job. `holds`: iterations after whose log line its trainers wait (the
+    test-only hook tests/trainer_hold_hook) until the test releases them or a signal reaches them:
+    the test acts at a known iteration however fast the machine trains."""
     folder = tmp_path_factory.mktemp(name)
+    hold_dir = folder / "holds"
+    hold_dir.mkdir()
+    for iteration in holds:
+        (hold_dir / f"iter_{iteration}.hold").touch()
     env = cluster.env(script_env(shims=False, CHECKPOINT_DIR=folder / "ckpt", LOG_ROOT=folder / "logs",
-                                 MASTER_PORT=free_port(), **variables))
-    return Job(cluster, env, folder, ["--gres=none"])
+                                 MASTER_PORT=free_port(), MEGATRON_LEV_TEST_HOLD_DIR=hold_dir,
+                                 PYTHONPATH=HOLD_HOOK, **variables))
+    job = Job(cluster, env, folder, ["--gres=none"])
+    job.hold_dir = hold_dir
+    return job
+
+
+def _release(job: Job, iteration: int) -> None:
+    (job.hold_dir / f"iter_{iteration}.hold").unlink()
+
+
+def _held_at(log: str, iteration: int) -> bool:
+    """A trainer said in `log` that it waits after iteration `iteration` (its record written)."""
+    return re.search(rf"test hook: rank \d+ held after iteration {iteration}$", log, re.M) is not None
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +121,14 @@ def preempted_job(slurm_cluster, cpu_smoke_env, tmp_path_factory):
     the time limit); the requeued job is released and resumes; 3 iterations later a plain
     `scancel` stops it. Returns what the tests check."""
     env = {**cpu_smoke_env, "EXTRA_ARGS": "--micro-batch-size 2 --global-batch-size 4 " + cpu_smoke_env["EXTRA_ARGS"]}
-    job = _submit_training(slurm_cluster, tmp_path_factory, "preempted", **env)
+    # Held the iteration after the first checkpoint until USR1 reaches it, and after the resume at
+    # 2 * SAVE_INTERVAL + 1 until the SIGTERM of `scancel`: neither signal can come too late.
+    first_hold, second_hold = SAVE_INTERVAL + 1, 2 * SAVE_INTERVAL + 1
+    job = _submit_training(slurm_cluster, tmp_path_factory, "preempted", holds=(first_hold, second_hold), **env)
     result = {"job": job}
-    job.wait_for(lambda j: job.latest() or j["JobState"] not in ("PENDING", "RUNNING"), 600, "the first checkpoint")
-    assert job.latest(), f"the job ended before its first checkpoint\n{job.logs()}"
+    job.wait_for(lambda j: _held_at(job.node_log(0), first_hold) or j["JobState"] not in ("PENDING", "RUNNING"),
+                 600, f"the hold after iteration {first_hold}")
+    assert job.latest() == f"iter_{SAVE_INTERVAL:07d}", f"no hold after the first checkpoint\n{job.logs()}"
     slurm_cluster.client(["scancel", "--signal=USR1", "--batch", str(job.id)])
     # Slurm holds a requeued job until its credential expires (AuthInfo cred_expire, 120 s).
     result["requeued"] = job.wait_for(
@@ -115,8 +143,9 @@ def preempted_job(slurm_cluster, cpu_smoke_env, tmp_path_factory):
     while datetime.now() < requeued_at + timedelta(seconds=2):
         time.sleep(0.2)
     slurm_cluster.client(["scontrol", "update", f"JobId={job.id}", "StartTime=now"])
-    job.wait_for(lambda j: any(r["iteration"] >= stopped_at + 3 for r in job.records())
-                 or j["JobState"] not in ("PENDING", "RUNNING"), 600, f"iteration {stopped_at + 3} after the resume")
+    assert stopped_at + 3 <= second_hold, f"USR1 stopped the run at iteration {stopped_at}\n{job.logs()}"
+    job.wait_for(lambda j: _held_at(job.node_log(1), second_hold) or j["JobState"] not in ("PENDING", "RUNNING"),
+                 600, f"the hold after iteration {second_hold}, after the resume")
     slurm_cluster.client(["scancel", str(job.id)])
     result["final"] = job.wait_finished(300)
     result["records"], result["latest1"], result["out1"], result["node1"] = (
@@ -152,21 +181,24 @@ def _trainer_pid(job_id: int, local_rank: int) -> int | None:
 @pytest.fixture(scope="module")
 def crashed_job(slurm_cluster, cpu_smoke_env, tmp_path_factory, slurm_report):
     """The uninterrupted run's job, with one trainer process (local rank 1) killed by SIGKILL two
-    iterations after the first checkpoint: the batch shell restarts the step in the same
+    iterations after the first checkpoint, while the hook holds the trainers there: the batch shell restarts the step in the same
     allocation (MAX_RESTARTS), which resumes from `latest` and trains to the end. The timeline
     (kill, restart, resume) goes to the run's summary."""
     import signal
 
-    job = _submit_training(slurm_cluster, tmp_path_factory, "crashed", MICRO_BATCH=2, GLOBAL_BATCH=4, **cpu_smoke_env)
+    kill_at = SAVE_INTERVAL + 2
+    job = _submit_training(slurm_cluster, tmp_path_factory, "crashed", holds=(kill_at,), MICRO_BATCH=2, GLOBAL_BATCH=4,
+                           **cpu_smoke_env)
     start = time.time()
-    job.wait_for(lambda j: (job.latest() and job.records() and job.records()[-1]["iteration"]
-                            >= int(job.latest().split("_")[1]) + 2) or j["JobState"] not in ("PENDING", "RUNNING"),
-                 600, "two iterations past the first checkpoint")
+    job.wait_for(lambda j: _held_at(job.node_log(0), kill_at) or j["JobState"] not in ("PENDING", "RUNNING"),
+                 600, f"the hold after iteration {kill_at}, two past the first checkpoint")
     pid = _trainer_pid(job.id, 1)
     assert pid is not None, f"no trainer process of local rank 1 in job {job.id}\n{job.logs()}"
-    latest_at_kill, iteration_at_kill = job.latest(), job.records()[-1]["iteration"]  # microseconds before the kill
+    latest_at_kill, iteration_at_kill = job.latest(), job.records()[-1]["iteration"]
+    assert (latest_at_kill, iteration_at_kill) == (f"iter_{SAVE_INTERVAL:07d}", kill_at), job.logs()
     os.kill(pid, signal.SIGKILL)
     killed = time.time()
+    _release(job, kill_at)  # the restarted trainers pass it
     final = job.wait_finished(900)
     result = {"job": job, "final": final, "pid": pid, "latest_at_kill": latest_at_kill,
               "iteration_at_kill": iteration_at_kill, "records": job.records(),
