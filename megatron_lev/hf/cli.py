@@ -34,6 +34,21 @@ def add_export_flags(p: argparse.ArgumentParser, *, tokenizer_type_help: str, to
                    help="lev models: write the generated V x D table, factorized ones the table times the "
                         "projection, loadable as a standard LlamaForCausalLM")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    p.add_argument("--license", help="the weights' licence as a Hub identifier, e.g. apache-2.0 (model card; "
+                   "default: 'other', not declared)")
+    p.add_argument("--dataset", help="the training data's Hub dataset id, e.g. monology/pile-uncopyrighted "
+                   "(model card)")
+    p.add_argument("--downstream", metavar="FILE[:MODEL]",
+                   help="downstream.json of python -m megatron_lev.evaluation.downstream run on these weights: "
+                        "its MODEL's scores and standard errors go into the model card")
+
+
+def card_fields(args) -> dict:
+    """The model card's fields given on the command line (Provenance's names)."""
+    from megatron_lev.hf.card import read_downstream
+
+    return {"license": args.license, "dataset": args.dataset,
+            "downstream": read_downstream(args.downstream) if args.downstream else None}
 
 
 def to_hf_parser() -> argparse.ArgumentParser:
@@ -88,7 +103,7 @@ def convert_to_hf_main(argv=None) -> int:
     from megatron_lev.hf.export import export_checkpoint
 
     try:
-        out = export_checkpoint(args.load, args.output, iteration=args.iteration, dtype=args.dtype,
+        out = export_checkpoint(args.load, args.output, iteration=args.iteration, dtype=args.dtype, card=card_fields(args),
                                 tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
                                 materialize=args.materialize_embeddings, max_shard_size=args.max_shard_size,
                                 vocab_file=args.vocab_file, merge_file=args.merge_file)
@@ -120,7 +135,8 @@ def convert_from_mcore_main(argv=None) -> int:
         out = export_mcore_checkpoint(
             args.load, args.output, iteration=args.iteration, config=args.config, tokenizer_type=args.tokenizer_type,
             tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file, merge_file=args.merge_file,
-            dtype=args.dtype, materialize=args.materialize_embeddings, max_shard_size=args.max_shard_size)
+            dtype=args.dtype, materialize=args.materialize_embeddings, max_shard_size=args.max_shard_size,
+            card=card_fields(args))
     except (ValueError, FileNotFoundError) as exc:
         return _fail("convert_from_mcore", exc)
     print(f"wrote {out}")

@@ -37,6 +37,7 @@ RoPE needs no permutation: models/layers.py rotates two halves (`rotate_half`), 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -364,11 +365,13 @@ def save_hf_model(full: dict[str, torch.Tensor], cfg: LeviathanConfig, output: s
 def export_checkpoint(load_dir: str, output: str, iteration: Optional[int] = None, dtype: Optional[str] = None,
                       tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None,
                       materialize: bool = False, max_shard_size: str | int = "5GB",
-                      vocab_file: Optional[str] = None, merge_file: Optional[str] = None) -> str:
+                      vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
+                      card: Optional[dict] = None) -> str:
     """tools/convert_to_hf.py: a training checkpoint -> a Hugging Face folder.
 
     The tokenizer defaults to the one the checkpoint's run trained with (GPT2BPETokenizer's files:
-    `vocab_file` / `merge_file` where given).
+    `vocab_file` / `merge_file` where given). `card`: Provenance fields to set (licence, dataset,
+    downstream results), over those read from the run.
     """
     from megatron_lev.checkpointing.convert import find_checkpoint, read_checkpoint
 
@@ -386,7 +389,7 @@ def export_checkpoint(load_dir: str, output: str, iteration: Optional[int] = Non
                                vocab_file or training.get("vocab_file"), merge_file or training.get("merge_file"))
     full = read_checkpoint(info)
     return save_hf_model(full, cfg, output, tokenizer, DTYPES[dtype] if dtype else None, materialize, max_shard_size,
-                         provenance=run_provenance(info))
+                         provenance=dataclasses.replace(run_provenance(info), **(card or {})))
 
 
 def read_hf_model(hf_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -37,7 +37,7 @@ def export_mcore_checkpoint(load: str, output: str, *, iteration: Optional[int] 
                             tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None,
                             vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
                             dtype: Optional[str] = None, materialize: bool = False,
-                            max_shard_size: str | int = "5GB") -> str:
+                            max_shard_size: str | int = "5GB", card: Optional[dict] = None) -> str:
     require_modules(EXPORT_MODULES, "the Hugging Face export")
     from megatron_lev.checkpointing.mcore import read_mcore_checkpoint
     from megatron_lev.hf.card import Provenance
@@ -65,4 +65,4 @@ def export_mcore_checkpoint(load: str, output: str, *, iteration: Optional[int] 
     full, _ = read_mcore_checkpoint(run.iter_dir, run.config,
                                     tensor_model_parallel_size=getattr(run.args, "tensor_model_parallel_size", None))
     return save_hf_model(full, run.config, output, tokenizer, DTYPES[dtype] if dtype else None, materialize,
-                         max_shard_size, provenance=Provenance(**run.provenance()))
+                         max_shard_size, provenance=Provenance(**{**run.provenance(), **(card or {})}))

@@ -59,6 +59,8 @@ class MegatronRun:
         out["tokens"] = samples * args.seq_length if samples else None
         data = getattr(args, "data_path", None) or getattr(args, "train_data_path", None)
         out["data"] = " ".join(map(str, data)) if data else ("mock data" if getattr(args, "mock_data", False) else None)
+        valid = getattr(args, "valid_data_path", None)
+        out["valid_data"] = " ".join(map(str, valid)) if valid else None
         layout = [f"TP {args.tensor_model_parallel_size}", f"PP {args.pipeline_model_parallel_size}"]
         if getattr(args, "context_parallel_size", 1) > 1:
             layout.append(f"CP {args.context_parallel_size}")
