@@ -68,16 +68,17 @@ def format_lr(lr: float) -> str:
 
 
 def load_training(config_name: str) -> tuple[object, dict]:
+    """A packaged config's model sizes (torch-free: megatron_lev/models/shape.py) and training section."""
     from megatron_lev.configs import load_config
-    from megatron_lev.models.config import model_config_from_dict
+    from megatron_lev.models.shape import model_shape
 
     config = load_config(config_name)
-    return model_config_from_dict(config["model"]), config["training"]
+    return model_shape(config["model"]), config["training"]
 
 
 def run_cost(config_name: str, gpu_type: str, mfu: float) -> dict:
     """Parameters, tokens, training FLOPs and GPU-hours of one packaged config's run."""
-    from megatron_lev.models.param_count import count_parameters
+    from megatron_lev.models.shape import count_parameters
     from megatron_lev.training.flops import flops_model, peak_flops_per_device, training_flops
 
     model, training = load_training(config_name)

@@ -148,3 +148,69 @@ def test_bad_flags_name_themselves(argv, message, capsys):
     with pytest.raises(SystemExit):
         plan.main(argv)
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {message}")
+
+
+# --------------------------------------------------------------------------- without torch
+
+PLAN = os.path.join(os.path.dirname(__file__), "..", "experiments", "cluster_plan.py")
+NO_TORCH = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = [sys.argv[1], *sys.argv[2:]]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def _plan_without_torch(*argv):
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-c", NO_TORCH, PLAN, *argv], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": repo}, cwd=repo)
+
+
+def test_the_shim_makes_import_torch_fail():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; import torch"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "ModuleNotFoundError: import of torch halted" in proc.stderr
+
+
+def test_the_planner_runs_where_import_torch_fails():
+    """experiments/cluster_plan.py imports no torch (models/shape.py, not models/config.py): its
+    numbers where torch cannot be imported are the hand count's."""
+    proc = _plan_without_torch("--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    tied = next(r for r in out["runs"] if r["config"] == "tied-125m-200k")
+    assert tied["parameters"] == 12 * (PER_LAYER + 2 * 768) + 768 + 768 * 200064
+    assert tied["flops"] == pytest.approx(PER_TOKEN * 2.5e9, rel=1e-12)
+    assert tied["train_iters"] == math.ceil(2.5e9 / (512 * 512))
+    table = _plan_without_torch()
+    assert table.returncode == 0, table.stderr[-2000:]
+    assert "| 125m | tied | `tied-125m-200k` | 238.6M | 2.5B | 3.72e+18 | the sweep's | 3 | 8 |" in table.stdout
+
+
+def test_shapes_agree_with_the_model_configs():
+    """models/shape.py's torch-free sizes equal LeviathanConfig's on every packaged config:
+    parameter counts (LEV's generator included) and the FLOPs model's inputs."""
+    from megatron_lev.configs import available_configs, load_config
+    from megatron_lev.models.config import model_config_from_dict
+    from megatron_lev.models.param_count import count_parameters
+    from megatron_lev.models.shape import count_parameters as shape_count
+    from megatron_lev.models.shape import model_shape
+    from megatron_lev.training.flops import flops_model
+
+    names = available_configs()
+    assert "lev-1.2b-200k" in names and len(names) > 30
+    for name in names:
+        section = load_config(name)["model"]
+        for tp in (1, 2):
+            try:
+                config = model_config_from_dict(section, tensor_model_parallel_size=tp)
+            except ValueError:
+                continue
+            shape = model_shape(section, tensor_model_parallel_size=tp)
+            assert shape_count(shape) == count_parameters(config), (name, tp)
+            assert flops_model(shape, 512) == flops_model(config, 512), (name, tp)
+    lev = model_shape(load_config("lev-1.2b-200k")["model"]).lev_config()
+    assert (lev.base, lev.num_parameters()) == (59, 2_252_928)  # LEV_SPEC.md section 6

@@ -12,17 +12,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_lev.lev.generator import LEVConfig
 from megatron_lev.models.settings import EMBEDDING_KINDS
-
-
-def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
-    """Megatron's rule: round up to a multiple of divisible_by x TP."""
-    multiple = divisible_by * tensor_model_parallel_size
-    return -(-vocab_size // multiple) * multiple
-
-
-def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = 256) -> int:
-    """LLaMA's SwiGLU width: 2/3 of 4H (same MLP parameters as a 4H GELU MLP), rounded up."""
-    return -(-int(8 * hidden_size / 3) // multiple_of) * multiple_of
+from megatron_lev.models.shape import MODEL_FIELDS, llama_ffn_hidden_size, pad_vocab_size  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -159,13 +149,6 @@ class LeviathanConfig(TransformerConfig):
         return out
 
 
-# Fields of a YAML `model:` section (all LeviathanConfig / TransformerConfig names).
-MODEL_FIELDS = (
-    "embedding", "freeze_input_embedding", "embedding_rank", "vocab_size", "make_vocab_size_divisible_by",
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-    "seq_length", "rotary_base", "rotary_percent", "rope_scaling", "rope_scaling_factor", "qk_layernorm",
-    "layernorm_epsilon", "init_method_std", "hidden_dropout", "attention_dropout", "init_seed", "lev",
-)
 # What a model section written before a field existed was built with (checkpoints, exports).
 FIELD_DEFAULTS = {"rotary_percent": 1.0, "rope_scaling": False, "rope_scaling_factor": 8.0, "qk_layernorm": False,
                   "freeze_input_embedding": False, "embedding_rank": None}

@@ -23,55 +23,10 @@ import sys
 import yaml
 
 from megatron_lev.configs import load_config
-from megatron_lev.models.config import EMBEDDING_KINDS, LeviathanConfig, model_config_from_dict
+from megatron_lev.models.config import EMBEDDING_KINDS, model_config_from_dict
+from megatron_lev.models.shape import count_parameters, factorized_input_parameters  # noqa: F401 (re-exported)
 
 FFN_MULTIPLES = (64, 32, 16, 8)
-
-
-def count_parameters(config: LeviathanConfig) -> dict:
-    """Analytic parameter counts of the whole model (all TP ranks together, padding rows
-    included, as allocated). Keys: embedding (the LEV generator or the table), output_layer,
-    attention / mlp / norms / per_layer (one layer), layers (all), final_norm, total,
-    vocab_padding (rows counted in embedding/output_layer that are padding), frozen (of the
-    total, what is never trained: the input table under freeze_input_embedding) and trainable."""
-    h, nh, ng, dh = config.hidden_size, config.num_attention_heads, config.num_query_groups, config.kv_channels
-    attention = h * (nh + 2 * ng) * dh + nh * dh * h
-    mlp = 3 * h * config.ffn_hidden_size
-    norms = 2 * h + (2 * dh if config.qk_layernorm else 0)  # qk_layernorm: a query and a key scale
-    per_layer = attention + mlp + norms
-    table = config.padded_vocab_size * h
-    if config.embedding == "lev":
-        embedding, output_layer = config.lev_config().num_parameters(), table
-    elif config.embedding == "tied":
-        embedding, output_layer = table, 0
-    elif config.embedding == "factorized":  # V x r table + r x H projection
-        embedding, output_layer = factorized_input_parameters(config.padded_vocab_size, h, config.embedding_rank), table
-    else:
-        embedding, output_layer = table, table
-    # Padding rows: of the input table (width H, or r when factorised; LEV has none) and of the head.
-    input_width = {"lev": 0, "factorized": config.embedding_rank}.get(config.embedding, h)
-    padding = (config.padded_vocab_size - config.vocab_size) * (input_width + (config.embedding != "tied") * h)
-    counts = {
-        "embedding": embedding,
-        "output_layer": output_layer,
-        "attention": attention,
-        "mlp": mlp,
-        "norms": norms,
-        "per_layer": per_layer,
-        "layers": per_layer * config.num_layers,
-        "final_norm": h,
-        "vocab_padding": padding,
-    }
-    counts["total"] = embedding + output_layer + counts["layers"] + h
-    # Counted in the total (they are the model's), and reported apart: never trained.
-    counts["frozen"] = embedding if config.freeze_input_embedding else 0
-    counts["trainable"] = counts["total"] - counts["frozen"]
-    return counts
-
-
-def factorized_input_parameters(padded_vocab_size: int, hidden_size: int, rank: int) -> int:
-    """The factorised input side: the V_padded x r table and the r x H projection."""
-    return rank * (padded_vocab_size + hidden_size)
 
 
 def _total(section: dict, tp: int) -> int:
