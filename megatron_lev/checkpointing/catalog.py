@@ -20,6 +20,7 @@ tampered with or a crash hit between the marker and `latest`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -94,6 +95,30 @@ def _warn_rank_0(message: str) -> None:
 
 def is_complete(ckpt_dir: str, tag: str) -> bool:
     return os.path.isfile(os.path.join(ckpt_dir, tag, COMPLETE_MARKER))
+
+
+def check_retention(keep_last: Optional[int], keep_every: Optional[int], save_interval: Optional[int]) -> None:
+    """--keep-checkpoints-every N keeps, besides the newest --keep-last-checkpoints K, every
+    checkpoint whose iteration is a multiple of N: refused in one line where it cannot."""
+    if keep_every is None:
+        return
+    if isinstance(keep_every, bool) or keep_every < 1:
+        raise ConfigError(f"--keep-checkpoints-every must be >= 1, got {keep_every}")
+    if not keep_last:
+        raise ConfigError(f"--keep-checkpoints-every {keep_every}: needs --keep-last-checkpoints K (without it "
+                          "every checkpoint is kept already)")
+    if save_interval and keep_every % save_interval:
+        raise ConfigError(f"--keep-checkpoints-every {keep_every} is not a multiple of --save-interval "
+                          f"{save_interval}: checkpoints are saved every {save_interval} iterations, so only "
+                          f"those of every {math.lcm(keep_every, save_interval)}-th would be kept")
+
+
+def retained(iterations: list[int], keep_last: int, keep_every: Optional[int] = None) -> list[int]:
+    """Which of the complete checkpoints' `iterations` the retention keeps: the newest `keep_last`,
+    and every multiple of `keep_every` (when given)."""
+    ordered = sorted(iterations)
+    newest = set(ordered[-keep_last:]) if keep_last else set(ordered)
+    return [it for it in ordered if it in newest or (keep_every and it % keep_every == 0)]
 
 
 def complete_checkpoints(ckpt_dir: str) -> list[tuple[int, str]]:

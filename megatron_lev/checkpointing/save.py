@@ -14,7 +14,8 @@ import torch.distributed as dist
 import yaml
 
 from megatron_lev.checkpointing.catalog import (COMPLETE_MARKER, CONFIG_FILE, LATEST, checkpoint_file_sizes,
-                                                checkpoint_tag, complete_checkpoints, is_complete, tag_iteration)
+                                                checkpoint_tag, complete_checkpoints, is_complete, retained,
+                                                tag_iteration)
 from megatron_lev.checkpointing.space import (CheckpointSpaceError, estimated_checkpoint_bytes, folder_bytes,
                                               space_problem)
 from megatron_lev.checkpointing.universal import UNIVERSAL_INFO_KEY, universal_checkpoint_info
@@ -142,20 +143,22 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, c
                   "files": sizes}
         write_text_atomic(os.path.join(tag_dir, COMPLETE_MARKER), json.dumps(marker), durable=True)
         write_text_atomic(os.path.join(save_dir, LATEST), tag, durable=True)
-        if keep_last:
-            prune_checkpoints(save_dir, keep_last)
+        if keep_last:  # --keep-checkpoints-every: the effective config's (the trainer passes only keep_last)
+            prune_checkpoints(save_dir, keep_last, (config.get("training") or {}).get("keep_checkpoints_every"))
     _barrier()
     return tag
 
 
-def prune_checkpoints(save_dir: str, keep_last: int) -> list[str]:
-    """Delete all but the newest `keep_last` complete checkpoints, and incomplete
-    leftovers older than the newest complete one. Returns the deleted tags."""
+def prune_checkpoints(save_dir: str, keep_last: int, keep_every: Optional[int] = None) -> list[str]:
+    """Delete all but the newest `keep_last` complete checkpoints (and those whose iteration is a
+    multiple of `keep_every`, when given), and incomplete leftovers older than the newest complete
+    one. Returns the deleted tags."""
     complete = complete_checkpoints(save_dir)
     if not complete:
         return []
     newest = complete[-1][0]
-    doomed = [tag for _, tag in complete[:-keep_last]]
+    kept = set(retained([it for it, _ in complete], keep_last, keep_every))
+    doomed = [tag for it, tag in complete if it not in kept]
     for name in os.listdir(save_dir):
         it = tag_iteration(name)
         if it is not None and it < newest and not is_complete(save_dir, name):

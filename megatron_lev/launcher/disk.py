@@ -3,7 +3,9 @@ size of one checkpoint, how many the run holds at most, and what that needs in C
 
 KEEP_CHECKPOINTS=K (the trainer's --keep-last-checkpoints) keeps the newest K: the run then holds
 K + 1 while the next one is written (the oldest is deleted once the new one is complete). K=0
-keeps all of them: one per SAVE_INTERVAL over the run, and the last. A resume at another layout
+keeps all of them: one per SAVE_INTERVAL over the run, and the last. KEEP_EVERY=N (the trainer's
+--keep-checkpoints-every) keeps besides those every checkpoint of an iteration that is a multiple
+of N: up to train_iters // N more (counted in full, an upper bound). A resume at another layout
 converts the newest checkpoint next to it (iter_N/universal, about one checkpoint more).
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ class CheckpointDisk:
     free: Optional[int]  # free bytes on CHECKPOINT_DIR's filesystem now
     present: int  # bytes the complete checkpoints there take now (counted in `needed`)
     unknown: str = ""  # why the parameters could not be counted
+    keep_every: Optional[int] = None  # KEEP_EVERY: the checkpoints of its multiples are kept too
 
     @property
     def needed(self) -> Optional[int]:
@@ -47,8 +50,10 @@ class CheckpointDisk:
             precision = "bf16 weights" if self.bytes_per_parameter == 14 else "fp32 weights"
             basis = (f"{self.parameters:,} parameters x {self.bytes_per_parameter} bytes: {precision}, fp32 master "
                      f"weights and Adam moments")
-        kept = (f"the newest {self.keep} kept (KEEP_CHECKPOINTS={self.keep}): {self.held} at most, while the next is "
-                f"written" if self.keep else
+        every = (f" and every {self.keep_every}-th iteration's (KEEP_EVERY={self.keep_every}, "
+                 f"{self.train_iters // self.keep_every} over the run)" if self.keep_every and self.keep else "")
+        kept = (f"the newest {self.keep}{every} kept (KEEP_CHECKPOINTS={self.keep}): {self.held} at most, while the "
+                f"next is written" if self.keep else
                 f"every one kept (KEEP_CHECKPOINTS=0): {self.held} over the run's {self.train_iters} iterations "
                 f"(SAVE_INTERVAL={self.save_interval})")
         line = (f"one checkpoint is about {size} ({basis}); {kept}; the run needs about {format_bytes(self.needed)} in "
@@ -67,7 +72,8 @@ class CheckpointDisk:
                 "cannot fit stops the run (lower KEEP_CHECKPOINTS or free space)")
 
 
-def plan_checkpoint_disk(args, *, keep: int, checkpoint_dir: str, bf16: bool) -> CheckpointDisk:
+def plan_checkpoint_disk(args, *, keep: int, checkpoint_dir: str, bf16: bool,
+                         keep_every: Optional[int] = None) -> CheckpointDisk:
     """The disk of the run whose trainer arguments are `args` (validate_flags's). The parameter count
     is the model code's own (it imports torch: a few seconds, once per submit)."""
     parameters, unknown = None, ""
@@ -90,6 +96,8 @@ def plan_checkpoint_disk(args, *, keep: int, checkpoint_dir: str, bf16: bool) ->
     saves = math.ceil(args.train_iters / args.save_interval)  # every SAVE_INTERVAL, and the last iteration
     free = free_bytes(checkpoint_dir) if checkpoint_dir else None
     return CheckpointDisk(parameters=parameters, bytes_per_parameter=per_parameter, checkpoint_bytes=size,
-                          newest=newest, keep=keep, held=min(keep + 1, saves) if keep else saves,
+                          newest=newest, keep=keep, keep_every=keep_every,
+                          held=min(keep + 1 + (args.train_iters // keep_every if keep_every else 0), saves) if keep
+                          else saves,
                           train_iters=args.train_iters, save_interval=args.save_interval, free=free, present=present,
                           unknown=unknown)

@@ -105,6 +105,10 @@ def resolve_launch(env: MutableMapping[str, str], repo: str) -> Launch:
     max_requeues = require_int("MAX_REQUEUES", env["MAX_REQUEUES"])
     max_restarts = require_int("MAX_RESTARTS", env["MAX_RESTARTS"])
     keep = require_int("KEEP_CHECKPOINTS", env["KEEP_CHECKPOINTS"])
+    keep_every = require_int("KEEP_EVERY", env["KEEP_EVERY"], 1) if env.get("KEEP_EVERY") else None
+    if keep_every and not keep:
+        raise LaunchError(f"KEEP_EVERY={keep_every} keeps checkpoints besides the newest KEEP_CHECKPOINTS, but "
+                          "KEEP_CHECKPOINTS=0 keeps every one already: set KEEP_CHECKPOINTS, or unset KEEP_EVERY")
     if env.get("TRAIN_TOKENS") and env.get("TRAIN_ITERS"):
         raise LaunchError("set TRAIN_TOKENS or TRAIN_ITERS, not both")
     bf16, compile_layers = switch("BF16", env["BF16"]), switch("COMPILE_LAYERS", env["COMPILE_LAYERS"])
@@ -161,6 +165,7 @@ def resolve_launch(env: MutableMapping[str, str], repo: str) -> Launch:
         "--save-interval", env["SAVE_INTERVAL"],
         # The newest KEEP_CHECKPOINTS only (0: all): a week of checkpoints at 1.2B is terabytes.
         *(["--keep-last-checkpoints", str(keep)] if keep else []),
+        *(["--keep-checkpoints-every", str(keep_every)] if keep_every else []),  # and every KEEP_EVERY-th
         "--log-interval", env["LOG_INTERVAL"],
         "--tensorboard-dir", tensorboard_dir, "--deepspeed-config", deepspeed_config, "--gpu-type", gpu_type,
         "--log-throughput",  # TFLOP/s per GPU and MFU (against --gpu-type's peak) in every iteration line
@@ -178,7 +183,7 @@ def resolve_launch(env: MutableMapping[str, str], repo: str) -> Launch:
     launch.torchrun_cmd += ["-m", "megatron_lev.train", *launch.train_args]
     launch.srun_cmd = srun_command(launch, env, node_log_pattern(job_log_dir, restart, 0))
     args, ds_config = check_trainer_flags(launch.train_args, world, env.get("EXTRA_ARGS", ""))
-    launch.disk = plan_checkpoint_disk(args, keep=keep, checkpoint_dir=checkpoint_dir, bf16=bf16)
+    launch.disk = plan_checkpoint_disk(args, keep=keep, keep_every=keep_every, checkpoint_dir=checkpoint_dir, bf16=bf16)
     launch.conversion = plan_conversion(args, ds_config, checkpoint_dir)
     return launch
 

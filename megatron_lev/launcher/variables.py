@@ -30,7 +30,7 @@ EXTRA_ARGS_VARIABLES = {
     "--load": "CHECKPOINT_DIR", "--tokenizer-type": "TOKENIZER_TYPE", "--tokenizer-model": "TOKENIZER_MODEL",
     "--vocab-file": "VOCAB_FILE", "--merge-file": "MERGE_FILE", "--bf16": ("BF16", "1"), "--no-bf16": ("BF16", "0"),
     "--compile-layers": ("COMPILE_LAYERS", "1"), "--no-compile-layers": ("COMPILE_LAYERS", "0"),
-    "--keep-last-checkpoints": "KEEP_CHECKPOINTS",
+    "--keep-last-checkpoints": "KEEP_CHECKPOINTS", "--keep-checkpoints-every": "KEEP_EVERY",
 }
 # Blends (several values each) are only taken from their variables, which check every prefix.
 EXTRA_ARGS_REFUSED = {"--data-path": "DATA_PATH", "--train-data-path": "DATA_PATH",

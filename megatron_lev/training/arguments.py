@@ -19,6 +19,7 @@ import sys
 
 import yaml
 
+from megatron_lev.checkpointing.catalog import check_retention
 from megatron_lev.configs import config_path, load_config, model_field_source
 from megatron_lev.models.settings import TRAINER_SETTINGS
 from megatron_lev.training.ds_config import build_deepspeed_config
@@ -84,10 +85,7 @@ TRAINING_DEFAULTS = {
     "vocab_file": None,
     "merge_file": None,
     "num_workers": None,  # validate_args: 2 where CUDA is (Megatron-LM's default), 0 on CPU
-    "save": None,
-    "load": None,
-    "save_interval": None,
-    "keep_last_checkpoints": None,
+    "save": None, "load": None, "save_interval": None, "keep_last_checkpoints": None, "keep_checkpoints_every": None,
     "no_load_optim": False,
     "ckpt_step": None,
     "override_checkpoint_args": False,
@@ -227,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(an empty or missing directory starts fresh)")
     g.add_argument("--save-interval", type=int)
     g.add_argument("--keep-last-checkpoints", type=int, metavar="K", help="delete all but the newest K")
+    g.add_argument("--keep-checkpoints-every", type=int, metavar="N", help="and keep those of every N-th iteration")
     g.add_argument("--no-load-optim", action="store_true",
                    help="load weights only (fresh optimizer moments; iteration, consumed samples and the LR "
                         "schedule continue)")
@@ -576,6 +575,7 @@ def validate_flags(argv, world_size: int) -> tuple[argparse.Namespace, dict]:
     validate against the job size, build the DeepSpeed config. The first steps of the trainer's
     start-up validation (validation.py), and what the Slurm scripts run at submit time."""
     args = validate_args(parse_args(argv), world_size)
+    check_retention(args.keep_last_checkpoints, args.keep_checkpoints_every, args.save_interval)
     return args, build_deepspeed_config(args)
 
 

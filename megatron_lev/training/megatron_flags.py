@@ -90,6 +90,7 @@ SUPPORTED_NOTES = {
 
 # Flags of megatron_lev.train that Megatron-LM does not have.
 TRAIN_OWN_FLAGS = ("--config", "--zero-stage", "--train-tokens", "--keep-last-checkpoints", "--metrics-file",
+                   "--keep-checkpoints-every",
                    "--gpu-type", "--peak-tflops", "--max-skipped-steps", "--embedding",
                    "--freeze-input-embedding", "--embedding-rank", "--compile-layers",
                    "--override-checkpoint-args", "--trust-remote-code", "--lev-lr-mult", "--lev-clip-grad",
