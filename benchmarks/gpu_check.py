@@ -13,11 +13,15 @@ is left of --time-limit is under its estimate):
 4. megatron_gpt      GPTModel+LEV (local spec; TransformerEngine's where it imports) against
                      LeviathanModel on the same weights, fp32 forward and backward; one bf16 step.
 5. training          lev-1.2b and tied-1.2b as the Slurm scripts run them (bf16, compiled layers,
-                     ZeRO-2 + overlap_comm) at one GPU's share of an 8-GPU node's batch, both at
-                     one micro-batch, at a constant learning rate: every step's loss and rate, the
-                     loss must fall; steps interleaved lev, tied, lev, tied, ...: step time median
-                     and spread, tokens/s, MFU (datasheet and measured ceiling), the optimizer that
-                     ran, compile fallbacks, memory per engine and what deleting them freed.
+                     ZeRO-2 + overlap_comm) at one GPU's share of an 8-GPU node's batch (the
+                     scripts' micro-batch and accumulation, both halved/doubled only after an
+                     out-of-memory error), at a constant learning rate: every step's loss and rate,
+                     the loss must fall; 3 untimed steps then 20 timed ones per kind, interleaved,
+                     the kind that starts a round alternating: step time median and spread,
+                     LEV/tied (<= 1.02) with the pairwise spread, LEV's generator forward and
+                     backward timed inside the steps (CUDA events) and its share of a step,
+                     tokens/s, MFU (datasheet and measured ceiling), the optimizer that ran,
+                     compile fallbacks, memory per engine and what deleting them freed.
 6. bf16_vs_fp32      the same weights and batches trained in fp32 and bf16 at a small size: the two
                      loss curves within gpu_check_rules.bf16_loss_bounds.
 7. save_resume       bf16 ZeRO-2 training saved and resumed on the device against an uninterrupted
@@ -48,8 +52,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_train  # noqa: E402  (benchmarks/ is not a package)
-from gpu_check_rules import (KERNEL_TESTS_LIMIT_S, STAGE_ESTIMATE_S, STAGE_ORDER, failures,  # noqa: E402
-                             stage_fits)
+from gpu_check_rules import (KERNEL_TESTS_LIMIT_S, MAX_LEV_OVER_TIED, MIN_TIMED_STEPS,  # noqa: E402
+                             STAGE_ESTIMATE_S, STAGE_ORDER, WARMUP_STEPS, failures, stage_fits)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Fused vs PyTorch LEV embedding, max |difference| / max |value| per tensor: twice the float32
@@ -249,10 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: run the logic on the CPU (with --tiny), for tests")
     p.add_argument("--tiny", action="store_true", help="tiny-lev/tiny-tied, fp32, eager layers")
-    p.add_argument("--steps", type=int, default=12,
-                   help="training steps per kind (the first compiles and is not timed; at least 10)")
+    p.add_argument("--steps", type=int, default=MIN_TIMED_STEPS,
+                   help=f"timed training steps per kind, after {WARMUP_STEPS} untimed ones (at least {MIN_TIMED_STEPS})")
     p.add_argument("--slurm-gpus-per-node", type=int, default=8, help="the Slurm job whose per-GPU work to run")
-    p.add_argument("--max-lev-over-tied", type=float, default=1.05, help="fail above this LEV/tied step-time ratio")
+    p.add_argument("--max-lev-over-tied", type=float, default=MAX_LEV_OVER_TIED,
+                   help="fail above this LEV/tied step-time ratio (medians)")
     p.add_argument("--allow-optimizer-fallback", action="store_true",
                    help="pass although DeepSpeed's fused Adam did not run (recorded either way)")
     p.add_argument("--stages", nargs="+", default=list(STAGE_ORDER), choices=STAGE_ORDER)
@@ -350,7 +355,8 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     report = {"check": "gpu_check", "stages_done": [], "stage_seconds": {}, "stage_estimates_s": STAGE_ESTIMATE_S,
               "finished": False, "ok": False,
-              "settings": {"time_limit_s": args.time_limit, "steps": args.steps,
+              "settings": {"time_limit_s": args.time_limit, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
+                           "max_lev_over_tied": args.max_lev_over_tied,
                            "allow_optimizer_fallback": args.allow_optimizer_fallback,
                            **{name: os.environ.get(name) for name in ("PYTEST_DISABLE_PLUGIN_AUTOLOAD",
                                                                       "TORCH_CUDA_ARCH_LIST", "TRITON_INTERPRET")}}}
@@ -362,8 +368,9 @@ def main(argv=None) -> dict:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported
             if not args.tiny:
                 raise SystemExit("gpu_check.py: --device cpu needs --tiny (the 1.2B configs are for GPUs)")
-        if args.steps < 10:
-            raise SystemExit(f"gpu_check.py: --steps {args.steps}: the training stage needs at least 10")
+        if args.steps < MIN_TIMED_STEPS:
+            raise SystemExit(f"gpu_check.py: --steps {args.steps}: the training stage needs at least "
+                             f"{MIN_TIMED_STEPS} timed steps")
         gpu = gpu_variant(torch.cuda.get_device_name(device)) if device.type == "cuda" else gpu_variant("")
         report.update(environment={**bench_train.environment(device), "python": sys.version.split()[0],
                                    **{name: version_of(name) for name in ("triton", "deepspeed", "megatron-core",

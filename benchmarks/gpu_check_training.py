@@ -18,8 +18,9 @@ import weakref
 import torch
 
 import bench_train
-from gpu_check_rules import (DP1_LABEL, FP32_STATE_BYTES_PER_PARAMETER, KINDS, interleaved_order,
-                             learning_rate_problems, loss_falls, micro_batch_plan, spread, step_time_ratio)
+from gpu_check_rules import (DP1_LABEL, FP32_STATE_BYTES_PER_PARAMETER, KINDS, WARMUP_STEPS, halved, interleaved_order,
+                             learning_rate_problems, lev_share, loss_falls, micro_batch_plan, spread,
+                             step_time_ratio)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The training stage's schedule: a constant learning rate from the first step (the configs' own
@@ -179,27 +180,108 @@ def gemm_ceiling(device, size: int, repeats: int = 10, warmup: int = 3) -> dict:
     return result
 
 
+# --------------------------------------------------------------------------- LEV inside the steps
+
+
+class HostEvent:
+    """torch.cuda.Event's timing interface on the host clock (time.perf_counter), for a CPU run:
+    the rehearsal runs the same hooks as a GPU."""
+
+    clock = staticmethod(time.perf_counter)  # seconds
+
+    def __init__(self):
+        self.time = None
+
+    def record(self) -> None:
+        self.time = self.clock()
+
+    def elapsed_time(self, end: "HostEvent") -> float:
+        return 1000 * (end.time - self.time)
+
+
+class LevTimer:
+    """LEV's generator timed inside the training steps: a forward pre-hook and a forward hook on the
+    model's one ParallelLEVEmbedding record an event before and after its forward; a hook on its
+    output's gradient one when its backward starts, and a multi-gradient hook on its parameters
+    one when every generator gradient is computed (its backward's end). CUDA events on CUDA
+    (recorded on the stream, no sync; read after the step's synchronize), HostEvent on CPU. The
+    backward's interval also holds whatever else the stream ran meanwhile (DeepSpeed's copies of
+    the generator's gradients into its buckets)."""
+
+    def __init__(self, model: torch.nn.Module, device):
+        from megatron_lev.lev.parallel import ParallelLEVEmbedding
+
+        modules = [m for m in model.modules() if isinstance(m, ParallelLEVEmbedding)]
+        if len(modules) != 1:
+            raise RuntimeError(f"LevTimer: {len(modules)} LEV embeddings in the model, expected 1")
+        (module,) = modules
+        self.source = "cuda events" if device.type == "cuda" else "time.perf_counter"
+        self.new_event = (lambda: torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else HostEvent
+        self.marks: list[dict] = []  # one dict of events per micro-batch since the last take()
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.handles = [module.register_forward_pre_hook(self._before_forward),
+                        module.register_forward_hook(self._after_forward),
+                        torch.autograd.graph.register_multi_grad_hook(params, self._after_backward, mode="all")]
+
+    def _mark(self, marks: dict, name: str) -> None:
+        marks[name] = self.new_event()
+        marks[name].record()
+
+    def _before_forward(self, module, args) -> None:
+        self.marks.append({})
+        self._mark(self.marks[-1], "forward_start")
+
+    def _after_forward(self, module, args, output) -> None:
+        marks = self.marks[-1]
+        self._mark(marks, "forward_end")
+        if output.requires_grad:
+            output.register_hook(lambda grad: self._mark(marks, "backward_start"))
+
+    def _after_backward(self, grads) -> None:
+        if self.marks and "backward_start" in self.marks[-1]:
+            self._mark(self.marks[-1], "backward_end")
+
+    def take(self) -> tuple[float, float]:
+        """(forward s, backward s) summed over the micro-batches since the last take(); call after
+        the step's work has finished (torch.cuda.synchronize)."""
+        marks, self.marks = self.marks, []
+        missing = [i for i, m in enumerate(marks) if len(m) != 4]
+        if not marks or missing:
+            raise RuntimeError(f"LevTimer: {len(marks)} micro-batches timed, incomplete: {missing} "
+                               f"({[sorted(m) for m in marks]})")
+        return (sum(m["forward_start"].elapsed_time(m["forward_end"]) for m in marks) / 1000,
+                sum(m["backward_start"].elapsed_time(m["backward_end"]) for m in marks) / 1000)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
 # --------------------------------------------------------------------------- interleaved training
 
 
 def train_interleaved(argvs: dict, world: int, rank: int, device, steps: int, overrides: dict,
-                      peak_flops: float | None, ceiling_flops: float | None, into: dict) -> dict:
-    """lev and tied engines built side by side and trained on the same micro-batches, steps
-    interleaved (lev, tied, lev, tied, ...: gpu_check_rules.interleaved_order). Step 0 of each
-    kind compiles and is not timed; every step's loss and learning rate are recorded. Fills
-    `into` as it goes (an interruption keeps what was measured); frees both engines at the end
-    and records what that freed."""
+                      peak_flops: float | None, ceiling_flops: float | None, into: dict, *, warmup: int = 1,
+                      rotate: bool = False, time_lev: bool = False) -> dict:
+    """lev and tied engines built side by side and trained on the same micro-batches, `steps`
+    steps each, interleaved (gpu_check_rules.interleaved_order: with `rotate` the kind that starts
+    a round alternates). The first `warmup` steps of each kind (the first compiles) are not timed;
+    every step's loss and learning rate are recorded; with `time_lev` LEV's generator is timed
+    inside lev's steps (LevTimer). Fills `into` as it goes (an interruption keeps what was
+    measured); frees both engines at the end and records what that freed."""
     from megatron_lev.training import optim
     from megatron_lev.training.flops import flops_model
 
     kinds, engines, refs, aux, batches = into.setdefault("kinds", {}), {}, {}, {}, None
     memory = into.setdefault("memory", {"allocated_before_bytes": allocated(device)})
-    into["order"] = [kind for _, kind in interleaved_order(KINDS, steps)]
-    caught, step_batches = [], None
+    order = interleaved_order(KINDS, steps, rotate)
+    into.update(order=[kind for _, kind in order], warmup_steps=warmup)
+    caught, step_batches, timer = [], None, None
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for step, kind in interleaved_order(KINDS, steps):
+            for step, kind in order:
                 if step == 0:
                     before, compiled = allocated(device), compile_state()
                     fallbacks = len(optim.optimizer_fallbacks)
@@ -219,6 +301,9 @@ def train_interleaved(argvs: dict, world: int, rank: int, device, steps: int, ov
                         "optimizer": optimizer_record(engines[kind], fallbacks),
                         "losses": [], "lrs": [], "step_times_s": [], "distinct_ids": []}
                     aux[kind] = {"compiled_before": compiled, "flops_model": flops_model(model_config, seq)}
+                    if time_lev and kind == "lev":
+                        timer = LevTimer(engines[kind].module, device)
+                        kinds[kind].update(lev_timing=timer.source, lev_forward_s=[], lev_backward_s=[])
                 result = kinds[kind]
                 acc = result["gradient_accumulation_steps"]
                 step_batches = batches[step * acc:(step + 1) * acc]
@@ -234,12 +319,18 @@ def train_interleaved(argvs: dict, world: int, rank: int, device, steps: int, ov
                     torch.cuda.synchronize()
                 elapsed = time.perf_counter() - t0
                 result["losses"].append(loss)
+                lev_times = timer.take() if timer is not None and kind == "lev" else None
                 if step == 0:  # compiles, allocates Adam's moments: states, not a timed step
                     result["first_step_s"] = elapsed
                     if base is not None:
                         result["engine_memory_bytes"] = allocated(device) - before
+                if step < warmup:
+                    result.setdefault("warmup_step_times_s", []).append(elapsed)
                 else:
                     result["step_times_s"].append(elapsed)
+                    if lev_times is not None:
+                        result["lev_forward_s"].append(lev_times[0])
+                        result["lev_backward_s"].append(lev_times[1])
                     result["distinct_ids"].append(sum(int(b["lev_ids"].numel()) for b in step_batches)
                                                   if kind == "lev" else 0)
                 if base is not None:
@@ -247,6 +338,9 @@ def train_interleaved(argvs: dict, world: int, rank: int, device, steps: int, ov
                     result["step_peak_above_states_bytes"] = max(result.get("step_peak_above_states_bytes", 0), peak)
     finally:
         batches = step_batches = None  # only the engines' memory is left to free
+        if timer is not None:
+            timer.remove()
+            timer = None
         for kind in list(engines):
             engine_bytes = allocated(device)
             release_engine(engines.pop(kind))
@@ -277,6 +371,8 @@ def summarize_kind(result: dict, aux: dict, peak_flops: float | None, ceiling_fl
     times = result["step_times_s"]
     if not times:
         return
+    if "lev_forward_s" in result:
+        result["lev_generator"] = lev_share(times, result["lev_forward_s"], result["lev_backward_s"])
     tokens = result["micro_batch_size"] * result["seq_length"]
     flops = statistics.mean(training_flops(fm, tokens * result["gradient_accumulation_steps"], d)
                             for d in result["distinct_ids"])  # this GPU's model FLOPs per step
@@ -289,10 +385,12 @@ def summarize_kind(result: dict, aux: dict, peak_flops: float | None, ceiling_fl
 
 
 def training_stage(tiny: bool, gpu: dict, device, steps: int, gpus_per_node: int, ceiling: dict | None,
-                   into: dict) -> dict:
+                   into: dict, warmup: int = WARMUP_STEPS) -> dict:
     """lev-1.2b and tied-1.2b as the Slurm scripts run them on a node of `gpus_per_node` GPUs (their
-    DRY_RUN command: bf16, compiled layers, ZeRO-2 + overlap_comm), one GPU's share of the batch, at
-    one micro-batch for both kinds (gpu_check_rules.micro_batch_plan), constant learning rate."""
+    DRY_RUN command: bf16, compiled layers, ZeRO-2 + overlap_comm), one GPU's share of the batch,
+    both kinds at the Slurm scripts' micro-batch and accumulation (halved and doubled only after an
+    out-of-memory error, both kinds again), constant learning rate: `warmup` untimed steps and
+    `steps` timed ones per kind, rounds rotated, LEV's generator timed inside lev's steps."""
     from megatron_lev.lev import dispatch as lev_dispatch
     from megatron_lev.lev import kernels
     from megatron_lev.models.config import model_config_from_dict
@@ -318,19 +416,20 @@ def training_stage(tiny: bool, gpu: dict, device, steps: int, gpus_per_node: int
         if tiny:  # on CPU compiling the layers would take most of the run
             overrides["--no-compile-layers"] = ""
         try:
-            train_interleaved(argvs, 1, 0, device, steps, overrides, peak,
-                              ceiling["tflops"] * 1e12 if ceiling else None, into)
+            train_interleaved(argvs, 1, 0, device, warmup + steps, overrides, peak,
+                              ceiling["tflops"] * 1e12 if ceiling else None, into, warmup=warmup, rotate=True,
+                              time_lev=True)
             break
         except RuntimeError as exc:
-            # The plan's activation estimate was low: both kinds again at half the micro-batch.
-            if not is_out_of_memory(exc) or micro == 1:
+            # Out of memory at this micro-batch: both kinds again at half of it.
+            if not is_out_of_memory(exc) or halved(micro, acc) is None:
                 raise
         # Outside the except block: its traceback (and the frames holding tensors) is gone.
         into.setdefault("attempts", []).append({"micro_batch_size": micro, "gradient_accumulation_steps": acc,
                                                 "result": "out of memory", "memory": into.pop("memory")})
         into.pop("kinds")
         free_memory(device)
-        micro, acc = micro // 2, acc * 2
+        micro, acc = halved(micro, acc)
     for result in into["kinds"].values():
         if "engine_memory_bytes" in result and "step_peak_above_states_bytes" in result:
             # The Slurm job's GPU: 1/8 of the fp32 state, the Slurm micro-batch's activations.

@@ -119,6 +119,9 @@ checks = {
     "plugin_autoload": steps["plugin_autoload"]["exit_status"] != 0 and "autoloaded" in autoload_log,
     "compile": steps["compile"]["exit_status"] == 0,
     "logic": steps["logic"]["exit_status"] == 0 and (load("gpu_check_cpu.json") or {}).get("ok") is True,
+    # LEV's generator timed inside the training steps (the hooks a GPU runs with CUDA events).
+    "lev_timing": 0 < (((load("gpu_check_cpu.json") or {}).get("training", {}).get("kinds", {}).get("lev", {})
+                        .get("lev_generator") or {}).get("share") or {}).get("median", 0) < 1,
 }
 wheel_files = sorted(f for f in os.listdir(wheels) if f.endswith(".whl"))
 report = {"python": python, "python_version": version, "steps": steps, "checks": checks,

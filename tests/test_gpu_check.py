@@ -123,7 +123,8 @@ def test_gpu_check_says_when_torch_sees_no_gpu(tmp_path):
     assert f"gpu_check: FAILED: {error}" in proc.stderr.splitlines()
     settings = report["settings"]
     assert (settings["PYTEST_DISABLE_PLUGIN_AUTOLOAD"], settings["TORCH_CUDA_ARCH_LIST"], settings["TRITON_INTERPRET"],
-            settings["steps"], settings["allow_optimizer_fallback"]) == ("1", "9.0", "0", 12, False)
+            settings["steps"], settings["allow_optimizer_fallback"]) == ("1", "9.0", "0", 20, False)
+    assert (settings["warmup_steps"], settings["max_lev_over_tied"]) == (3, 1.02)
     assert 400 < settings["time_limit_s"] <= 470
 
 
@@ -237,13 +238,76 @@ def test_the_documented_device_call(tmp_path):
     assert 'folder=${1:-$repo/runs/gpu_wheels}' in (REPO / "benchmarks" / "gpu_wheels.sh").read_text()
 
 
+def assert_training_stage(training: dict, gemm: dict) -> None:
+    """What the training stage of `gpu_check.py --device cpu --tiny` must report: both kinds at the
+    Slurm scripts' batch, 3 untimed and 20 timed steps each, rounds rotated, the loss falling at a
+    constant rate, LEV's generator timed inside lev's steps (its share of each step), LEV/tied from
+    the medians with the pairwise spread."""
+    import statistics
+
+    import gpu_check_rules as rules
+
+    assert training["order"] == ["lev", "tied", "tied", "lev"] * 11 + ["lev", "tied"]
+    assert training["warmup_steps"] == 3 and training["label"] == rules.DP1_LABEL
+    assert training["memory"]["engines_collected"] == {"lev": True, "tied": True}
+    assert training["micro_batch_plan"] == {"micro_batch_size": 1, "gradient_accumulation_steps": 1,
+                                            "estimated_bytes": None, "estimate_fits": None}
+    assert "attempts" not in training  # no out-of-memory error on CPU: the Slurm batch ran
+    times = {}
+    for kind in ("lev", "tied"):
+        k = training["kinds"][kind]
+        # slurm/train_*_1b.sh on a node of 8: global batch 8 -> 1 sequence per GPU, no accumulation.
+        assert (k["micro_batch_size"], k["gradient_accumulation_steps"], k["global_batch_size"]) == (1, 1, 1)
+        assert k["lrs"] == [1e-3] * 23  # tiny-*.yaml's lr from the first step: no warm-up
+        losses = k["losses"]
+        assert len(losses) == 23 and all(0 < loss < 2 * math.log(1000) for loss in losses)
+        assert k["loss_falls"] == {"first_mean": sum(losses[:3]) / 3, "last_mean": sum(losses[-3:]) / 3, "falls": True}
+        assert k["optimizer"] == {"class": "torch.optim.adamw.AdamW", "fallbacks": []}
+        assert k["compile_fallbacks"]["decoder_layers"] == [] and k["learning_rate_problems"] == []
+        times[kind] = k["step_times_s"]
+        assert len(times[kind]) == 20 and len(k["warmup_step_times_s"]) == 3
+        assert k["first_step_s"] == k["warmup_step_times_s"][0]
+        assert k["step_time_s_median"] == statistics.median(times[kind])
+        assert k["tokens_per_s"] == pytest.approx(64 / k["step_time_s_median"], rel=1e-12)
+        assert k["mfu"] is None and k["mfu_of_measured_gemm_ceiling"] == pytest.approx(
+            k["model_tflops_per_s_per_gpu"] / gemm["tflops"], rel=1e-12)
+    lev, tied = training["kinds"]["lev"], training["kinds"]["tied"]
+    assert lev["lev_timing"] == "time.perf_counter" and "lev_timing" not in tied
+    forward, backward = lev["lev_forward_s"], lev["lev_backward_s"]
+    assert len(forward) == len(backward) == 20
+    assert all(0 < f and 0 < b and f + b < t for f, b, t in zip(forward, backward, times["lev"]))
+    shares = [(f + b) / t for f, b, t in zip(forward, backward, times["lev"])]
+    assert lev["lev_generator"] == {"share": rules.spread(shares), "forward_s_median": statistics.median(forward),
+                                    "backward_s_median": statistics.median(backward)}
+    ratio = training["lev_over_tied_step_time"]
+    assert ratio["comparable"] and ratio["median_ratio"] == statistics.median(times["lev"]) / statistics.median(
+        times["tied"])
+    assert ratio["pair_ratios"] == rules.spread([a / b for a, b in zip(times["lev"], times["tied"])])
+
+
+def test_training_stage_on_cpu(tmp_path, monkeypatch):
+    """gpu_check.py's training stage alone on CPU (the tiny configs), as the rehearsal runs it:
+    the JSON fields assert_training_stage names, and the check passes at a ratio bound the CPU
+    can meet (the tiny model's LEV is a large part of its step)."""
+    import gpu_check
+
+    from tests.distributed import one_in_process_rank
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    with one_in_process_rank():
+        report = gpu_check.main(["--device", "cpu", "--tiny", "--stages", "gemm_ceiling", "training",
+                                 "--max-lev-over-tied", "100", "--output", str(tmp_path / "out.json")])
+    assert report["ok"] and report["failures"] == [] and report["stages_done"] == ["gemm_ceiling", "training"]
+    assert (report["settings"]["steps"], report["settings"]["warmup_steps"]) == (20, 3)
+    assert_training_stage(report["training"], report["gemm_ceiling"])
+    assert _read(tmp_path / "out.json") == report
+
+
 def test_rehearsal_of_the_first_gpu_call(tmp_path):
     """benchmarks/gpu_rehearsal.sh: the wheels built, installed offline under a stand-in of the GPU
     image's Python 3.12 (its pytest kept, plugins not autoloaded, megatron-core's cp312 wheel
     among the carried ones, nothing of torch or CUDA), the rules under 3.12, then every stage of
     gpu_check.py on CPU with assertions on the numbers its JSON reports."""
-    import statistics
-
     import gpu_check_rules as rules
 
     out = tmp_path / "rehearsal"
@@ -284,29 +348,7 @@ def test_rehearsal_of_the_first_gpu_call(tmp_path):
     assert step["dtype"] == "torch.bfloat16" and step["losses_ours_gpt"]["after"][1] < step["losses_ours_gpt"]["before"][1]
     assert max(step["relative_diffs"].values()) <= 2.0 ** -5
 
-    training = report["training"]
-    assert training["order"] == ["lev", "tied"] * 12 and training["label"] == rules.DP1_LABEL
-    assert training["memory"]["engines_collected"] == {"lev": True, "tied": True}
-    times = {}
-    for kind in ("lev", "tied"):
-        k = training["kinds"][kind]
-        # slurm/train_*_1b.sh on a node of 8: global batch 8 -> 1 sequence per GPU, no accumulation.
-        assert (k["micro_batch_size"], k["gradient_accumulation_steps"], k["global_batch_size"]) == (1, 1, 1)
-        assert k["lrs"] == [1e-3] * 12  # tiny-*.yaml's lr from the first step: no warm-up
-        losses = k["losses"]
-        assert len(losses) == 12 and all(0 < loss < 2 * math.log(1000) for loss in losses)
-        assert k["loss_falls"] == {"first_mean": sum(losses[:3]) / 3, "last_mean": sum(losses[-3:]) / 3, "falls": True}
-        assert k["optimizer"] == {"class": "torch.optim.adamw.AdamW", "fallbacks": []}
-        assert k["compile_fallbacks"]["decoder_layers"] == [] and k["learning_rate_problems"] == []
-        times[kind] = k["step_times_s"]
-        assert len(times[kind]) == 11 and k["step_time_s_median"] == statistics.median(times[kind])
-        assert k["tokens_per_s"] == pytest.approx(64 / k["step_time_s_median"], rel=1e-12)
-        assert k["mfu"] is None and k["mfu_of_measured_gemm_ceiling"] == pytest.approx(
-            k["model_tflops_per_s_per_gpu"] / gemm["tflops"], rel=1e-12)
-    ratio = training["lev_over_tied_step_time"]
-    assert ratio["comparable"] and ratio["median_ratio"] == statistics.median(times["lev"]) / statistics.median(
-        times["tied"])
-    assert ratio["pair_ratios"]["median"] == statistics.median(a / b for a, b in zip(times["lev"], times["tied"]))
+    assert_training_stage(report["training"], gemm)
 
     bf16 = report["bf16_vs_fp32"]
     assert bf16["within"] and len(bf16["fp32_losses"]) == len(bf16["bf16_losses"]) == 12
@@ -426,3 +468,58 @@ def test_the_tracked_tree_leaves_room_for_the_carried_wheels():
     sizes = {f.decode(): (REPO / f.decode()).stat().st_size for f in tracked if f and (REPO / f.decode()).is_file()}
     largest = sorted(sizes, key=sizes.get)[-3:]
     assert sum(sizes.values()) < 44 * 2**20, f"tracked tree {sum(sizes.values()):,} bytes; largest {largest}"
+
+
+def test_lev_timer_times_the_generators_forward_and_backward_inside_a_step(monkeypatch):
+    """gpu_check_training.LevTimer, on the host clock as the CPU rehearsal runs it, with a clock
+    that only the model's own operations advance: the generator's forward adds 1, its backward 10,
+    a layer after the LEV embedding 100 in forward and 1000 in backward. Over two micro-batches
+    (forward, backward, forward, backward) the timer must read exactly 2 and 20: the intervals
+    hold LEV's forward and backward and nothing of the layer around it."""
+    import torch
+
+    from gpu_check_training import HostEvent, LevTimer
+    from megatron_lev.lev.generator import LEVConfig
+    from megatron_lev.lev.parallel import ParallelLEVEmbedding
+
+    clock = [0.0]
+    monkeypatch.setattr(HostEvent, "clock", staticmethod(lambda: clock[0]))
+
+    class Tick(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, forward_ticks, backward_ticks):
+            clock[0] += forward_ticks
+            ctx.backward_ticks = backward_ticks
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            clock[0] += ctx.backward_ticks
+            return grad, None, None
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = ParallelLEVEmbedding(LEVConfig(vocab_size=100, hidden_size=16, seed_dim=8, num_heads=2,
+                                                            num_knots=4, num_modes=4))
+            self.embedding.generator.register_forward_hook(lambda module, args, out: Tick.apply(out, 1, 10))
+
+        def forward(self, ids):
+            return Tick.apply(self.embedding(ids), 100, 1000)
+
+    model = Model()
+    timer = LevTimer(model, torch.device("cpu"))
+    assert timer.source == "time.perf_counter"
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(ids).float().pow(2).sum().backward()
+    assert clock[0] == 2 * 1111
+    assert timer.take() == (2.0, 20.0)
+    with pytest.raises(RuntimeError, match="LevTimer: 0 micro-batches timed"):
+        timer.take()
+    model(ids)  # a forward without its backward: incomplete
+    with pytest.raises(RuntimeError, match=r"incomplete: \[0\]"):
+        timer.take()
+    timer.remove()
+    model(ids).sum().backward()
+    assert timer.marks == [] and clock[0] == 3 * 1111 + 101  # removed: nothing recorded
