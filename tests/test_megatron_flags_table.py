@@ -124,7 +124,7 @@ def test_each_carried_setting_reaches_the_model_section():
     by_dest = {s.dest or s.field: s for s in SETTINGS if s.flag}
     # The settings without a Megatron-LM flag (ours alone; GPTModel+LEV has one input side).
     assert set(CARRIED_VALUES) | {"rope_scaling_factor", "embedding", "freeze_input_embedding",
-                                  "embedding_rank"} == set(by_dest)
+                                  "embedding_rank", "lev_init_from"} == set(by_dest)
     base = model_section_from_args(recorded_namespace(), 1024)
     for dest, value in CARRIED_VALUES.items():
         section = model_section_from_args(recorded_namespace(**{dest: value}), 1024)

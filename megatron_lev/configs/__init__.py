@@ -10,6 +10,7 @@ the file) loads that config first and merges this file over it, mappings key by 
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
@@ -48,10 +49,26 @@ def _load_with_bases(path: Path, chain: tuple) -> dict:
         data = yaml.safe_load(f) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a config must be a mapping with a 'model:' section")
+    _resolve_file_fields(path, data)
     base = data.pop("base", None)
     if base is None:
         return data
     return _merge(_load_with_bases(_base_path(path, base), (*chain, path)), data)
+
+
+# Model fields naming a file: a relative path in a YAML file is relative to that file's folder (as
+# `base:` is), so a config finds its file from any working folder.
+FILE_FIELDS = ("lev_init_from",)
+
+
+def _resolve_file_fields(path: Path, data: dict) -> None:
+    model = data.get("model")
+    if not isinstance(model, dict):
+        return
+    for name in FILE_FIELDS:
+        value = model.get(name)
+        if isinstance(value, str) and value and not os.path.isabs(value):
+            model[name] = str((path.parent / value).resolve())
 
 
 def _base_path(path: Path, base) -> Path:

@@ -39,6 +39,9 @@ class LeviathanConfig(TransformerConfig):
     rope_scaling_factor: float = 8.0  # its factor (low/high frequency factors 1/4, context 8192: Megatron's)
     lev: dict = field(default_factory=dict)  # LEVConfig fields but vocab_size/hidden_size
     init_seed: int = 1234  # Megatron's --seed: all weights derive from it
+    # lev only: start the generator from a fitted one (evaluation/capacity.py --save) instead of
+    # the spec's init; the body and head still draw theirs from init_seed.
+    lev_init_from: Optional[str] = None
     padded_vocab_size: int = field(init=False, default=0)  # derived, TP-aware
 
     # TransformerConfig fields with LLaMA-style defaults.
@@ -124,6 +127,9 @@ class LeviathanConfig(TransformerConfig):
         if self.embedding != "factorized" and rank is not None:
             raise ValueError(f"embedding_rank: only for embedding: factorized (this model's input side is "
                              f"{self.embedding})")
+        if self.lev_init_from is not None and (self.embedding != "lev" or not isinstance(self.lev_init_from, str)):
+            raise ValueError(f"lev_init_from: a fitted generator's file, only for embedding: lev (this model's input "
+                             f"side is {self.embedding}, the value {self.lev_init_from!r})")
         if self.embedding == "lev":
             self.lev_config().validate(tp)
 
@@ -151,7 +157,7 @@ class LeviathanConfig(TransformerConfig):
 
 # What a model section written before a field existed was built with (checkpoints, exports).
 FIELD_DEFAULTS = {"rotary_percent": 1.0, "rope_scaling": False, "rope_scaling_factor": 8.0, "qk_layernorm": False,
-                  "freeze_input_embedding": False, "embedding_rank": None}
+                  "freeze_input_embedding": False, "embedding_rank": None, "lev_init_from": None}
 
 
 def model_config_from_dict(model_section: dict, *, tensor_model_parallel_size: int = 1,

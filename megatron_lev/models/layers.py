@@ -21,6 +21,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 from megatron_lev.distributed.rng import get_rng_tracker
+from megatron_lev.lev.generator import LEVConfig
 from megatron_lev.lev.parallel import ParallelLEVEmbedding
 from megatron_lev.models.config import LeviathanConfig
 from megatron_lev.models.settings import LLAMA3_ROPE
@@ -208,6 +209,46 @@ def lev_embedding_kwargs(config: LeviathanConfig) -> dict:
     return {"config": config.lev_config(), "init_seed": derive_seed(config.init_seed, "embedding"),
             "sequence_parallel": config.sequence_parallel, "params_dtype": config.params_dtype,
             "transformer_config": config}
+
+
+# What evaluation/capacity.py --save writes and `model.lev_init_from` reads: {"format", "lev" (the
+# LEVConfig as a dict), "parameters" (every head's tensors, LEVGenerator's names), ...}.
+LEV_FIT_FORMAT = "megatron_lev.lev_fit/1"
+
+
+def lev_fit_parameters(path: str, lev_config: LEVConfig) -> dict[str, torch.Tensor]:
+    """The full generator parameters of a fitted-generator file, checked against the model's
+    generator config (ValueError naming the file and what differs)."""
+    where = f"model.lev_init_from {path}"
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"{where}: no such file") from None
+    except Exception as exc:  # truncated, not a torch file, not loadable without pickled code
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ValueError(f"{where}: not a fitted-generator file ({type(exc).__name__}: {first_line})") from None
+    if not isinstance(saved, dict) or saved.get("format") != LEV_FIT_FORMAT:
+        found = saved.get("format") if isinstance(saved, dict) else type(saved).__name__
+        raise ValueError(f"{where}: format {found!r}, expected {LEV_FIT_FORMAT!r} (evaluation/capacity.py --save)")
+    fitted = saved["lev"]
+    differing = [f"{k} {fitted.get(k)!r} (model: {v!r})" for k, v in lev_config.to_dict().items() if fitted.get(k) != v]
+    if differing:
+        raise ValueError(f"{where}: fitted for another generator: {', '.join(differing)}")
+    return saved["parameters"]
+
+
+def start_lev_from_fit(module: torch.nn.Module, config: LeviathanConfig) -> int:
+    """Load `config.lev_init_from` into every LEV embedding inside `module` (this rank's heads of
+    it; none on a pipeline stage without the embedding); the number loaded. The trainer calls it on
+    a run's fresh start only: a resumed run, an evaluation or an export reads the checkpoint's
+    weights and never needs the file."""
+    if config.lev_init_from is None:
+        return 0
+    full = lev_fit_parameters(config.lev_init_from, config.lev_config())
+    embeddings = [m for m in module.modules() if isinstance(m, ParallelLEVEmbedding)]
+    for embedding in embeddings:
+        embedding.generator.load_full_parameters(full)
+    return len(embeddings)
 
 
 def build_embedding(config: LeviathanConfig) -> torch.nn.Module:

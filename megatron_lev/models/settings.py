@@ -60,6 +60,8 @@ SETTINGS = (
     # table at its random initialisation; the rank r of the factorised input side's V x r table.
     Setting("freeze_input_embedding", "--freeze-input-embedding", bool, from_args=lambda args: False),
     Setting("embedding_rank", "--embedding-rank", int, from_args=lambda args: None),
+    # Ours alone: the LEV generator starts from a fitted one (python -m megatron_lev.evaluation.capacity --save).
+    Setting("lev_init_from", "--lev-init-from", str, from_args=lambda args: None),
     Setting("num_layers", "--num-layers", int, hf="num_hidden_layers"),
     Setting("hidden_size", "--hidden-size", int, hf="hidden_size"),
     Setting("ffn_hidden_size", "--ffn-hidden-size", int, hf="intermediate_size"),

@@ -26,7 +26,7 @@ MODEL_FIELDS = (
     "embedding", "freeze_input_embedding", "embedding_rank", "vocab_size", "make_vocab_size_divisible_by",
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "seq_length", "rotary_base", "rotary_percent", "rope_scaling", "rope_scaling_factor", "qk_layernorm",
-    "layernorm_epsilon", "init_method_std", "hidden_dropout", "attention_dropout", "init_seed", "lev",
+    "layernorm_epsilon", "init_method_std", "hidden_dropout", "attention_dropout", "init_seed", "lev", "lev_init_from",
 )
 # The LEV generator's fields that change its size, with lev/generator.py LEVConfig's defaults
 # (that module needs torch; tests/test_cluster_plan.py checks the two counts agree).

@@ -11,6 +11,7 @@ import torch
 
 from megatron_lev.distributed.state import DeepSpeedMPU, print_rank_0
 from megatron_lev.models.init_stats import init_statistics_line
+from megatron_lev.models.layers import start_lev_from_fit
 from megatron_lev.training.ds_config import offloads_optimizer
 from megatron_lev.training.optim import build_lr_scheduler, build_optimizer
 from megatron_lev.utils.run_log import quiet_deepspeed
@@ -52,8 +53,10 @@ def without_inference_comm_op():
         ds_comm.build_shm_op = original
 
 
-def build_engine(args, model_config, ds_config: dict):
-    """DeepSpeed engine over the plain model (PP = 1) or the pipeline module (PP > 1)."""
+def build_engine(args, model_config, ds_config: dict, fresh_start: bool = True):
+    """DeepSpeed engine over the plain model (PP = 1) or the pipeline module (PP > 1).
+    `fresh_start` (no checkpoint to resume): a LEV generator starts from `model.lev_init_from`
+    when the config names one."""
     import deepspeed
 
     if args.pipeline_model_parallel_size > 1:
@@ -67,6 +70,9 @@ def build_engine(args, model_config, ds_config: dict):
 
         module = LeviathanModel(model_config)
         mpu = DeepSpeedMPU()
+    if fresh_start and model_config.lev_init_from is not None:
+        start_lev_from_fit(module, model_config)  # global rank 0 is on the first stage, with the embedding
+        print_rank_0(f"LEV generator started from {model_config.lev_init_from} (model.lev_init_from)")
     if torch.cuda.is_available():
         module = module.cuda()
     line = init_statistics_line(module, model_config.vocab_size, model_config.embedding)

@@ -92,6 +92,6 @@ SUPPORTED_NOTES = {
 TRAIN_OWN_FLAGS = ("--config", "--zero-stage", "--train-tokens", "--keep-last-checkpoints", "--metrics-file",
                    "--keep-checkpoints-every",
                    "--gpu-type", "--peak-tflops", "--max-skipped-steps", "--embedding",
-                   "--freeze-input-embedding", "--embedding-rank", "--compile-layers",
+                   "--freeze-input-embedding", "--embedding-rank", "--lev-init-from", "--compile-layers",
                    "--override-checkpoint-args", "--trust-remote-code", "--lev-lr-mult", "--lev-clip-grad",
                    "--lev-no-weight-decay")

@@ -121,7 +121,7 @@ class Trainer:
         # A checkpoint of another TP/PP/DP size or ZeRO stage loads through DeepSpeed's universal form.
         if resume_tag is not None and self.layout_changes:
             ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
-        self.engine = build_engine(args, model_config, ds_config)
+        self.engine = build_engine(args, model_config, ds_config, fresh_start=resume_tag is None)
         self.watch = EmbeddingWatch(self.engine, model_config.vocab_size, args.clip_grad, self.device)
         self.timers = StepTimers(self.device, args.timing_log_level, args.timing_log_option)
         self.timers.install(self.engine)
