@@ -181,8 +181,9 @@ def test_lev_export_loads_with_remote_code(name, exports, reference, prompts):
     config = json.load(open(os.path.join(folder, "config.json")))
     assert config["model_type"] == "leviathan" and config["auto_map"]["AutoModelForCausalLM"] == "modeling_lev.LevForCausalLM"
     assert config["vocab_size"] == 1000 and not config["tie_word_embeddings"]
-    with open(os.path.join(REPO, "megatron_lev", "lev", "generator.py"), encoding="utf-8") as f:
-        assert open(os.path.join(folder, "lev.py"), encoding="utf-8").read() == f.read()  # verbatim copy
+    for exported, source in (("lev.py", "generator.py"), ("lev_config.py", "lev_config.py")):
+        with open(os.path.join(REPO, "megatron_lev", "lev", source), encoding="utf-8") as f:
+            assert open(os.path.join(folder, exported), encoding="utf-8").read() == f.read()  # verbatim copy
     sharded = name == "lev_tp2"  # exported with --max-shard-size 200KB
     assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json")) == sharded
     files = glob.glob(os.path.join(folder, "*.safetensors"))

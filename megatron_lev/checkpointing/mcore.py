@@ -284,7 +284,8 @@ def _check_shapes(full: dict[str, torch.Tensor], config: LeviathanConfig, source
         "codebooks": (lev.num_coordinates, lev.base, ds), "w_seed": (heads, ds, ds), "ln_gamma": (heads, ds),
         "ln_beta": (heads, ds), "delta": (heads, ds, lev.num_knots, lev.num_modes),
         "w_out": (heads, lev.num_modes, h), **({"out_norm_weight": (h,)} if lev.output_norm else {}),
-        **({"knot_scale": (heads, ds)} if lev.knot_scale_learnable else {})}.items()})
+        **({"knot_scale": (heads, ds)} if lev.knot_scale_learnable else {}),
+        **({"mode_offset": (heads, lev.num_modes)} if lev.center_modes else {})}.items()})
     for i in range(config.num_layers):
         want.update({f"layers.{i}.input_norm.weight": (h,), f"layers.{i}.mlp_norm.weight": (h,),
                      f"layers.{i}.attention.qkv.weight": ((config.num_attention_heads + 2 * config.num_query_groups) * dh, h),

@@ -72,9 +72,7 @@ def generator_modes(generator: LEVGenerator, vocab_size: int, chunk: int = 8192)
     for s in range(0, vocab_size, chunk):
         ids = torch.arange(s, min(s + chunk, vocab_size))
         z = generator.seed(ids)
-        params = {n: getattr(generator, n) for n in ("w_seed", "ln_gamma", "ln_beta", "delta", "knot_scale")
-                  if hasattr(generator, n)}
-        out.append(seed_modes(generator.config, params, z).flatten(1))
+        out.append(seed_modes(generator.config, generator.mode_parameters(), z).flatten(1))
     return torch.cat(out)
 
 

@@ -1,7 +1,8 @@
 """Hugging Face export of megatron_lev models.
 
   configuration_lev.py, modeling_lev.py   remote code copied into exported `lev` model
-                                          folders (with ../lev/generator.py as lev.py), loaded by transformers
+                                          folders (with ../lev/generator.py as lev.py and
+                                          ../lev/lev_config.py), loaded by transformers
                                           through `auto_map` and trust_remote_code=True
   export.py                               checkpoint <-> Hugging Face conversion (library code
                                           behind tools/convert_to_hf.py, tools/convert_from_hf.py)

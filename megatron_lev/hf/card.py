@@ -241,7 +241,8 @@ def model_card(name: str, cfg: LeviathanConfig, parameters: int, dtype: torch.dt
     lines += ["## Load", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
               *load, "```", ""]
     if remote:
-        lines += ["The LEV generator is Python code shipped in this folder (`modeling_lev.py`, `lev.py`), hence "
+        lines += ["The LEV generator is Python code shipped in this folder (`modeling_lev.py`, `lev.py`, "
+                  "`lev_config.py`), hence "
                   "`trust_remote_code=True`. Without remote code, export with `--materialize-embeddings`: the "
                   "generated table makes a standard `LlamaForCausalLM` with the same outputs.", ""]
     lines += ["The tokenizer adds no BOS/EOS when encoding (pre-training saw none); documents end with "

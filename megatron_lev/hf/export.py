@@ -10,7 +10,7 @@ full state dict (megatron_lev.checkpointing.convert), renamed to transformers' L
 (config.json has `torch_dtype` beside `dtype` and tokenizer_config.json names
 `PreTrainedTokenizerFast`, so transformers 4.x loads the folder as 5.x does; README.md is
 the model card, with Hub model-index metadata.)
-    configuration_lev.py  modeling_lev.py  lev.py                (embedding: lev only)
+    configuration_lev.py  modeling_lev.py  lev.py  lev_config.py  (embedding: lev only)
 
 `embedding: lev` becomes `LevForCausalLM` (remote code, `auto_map`); with
 `materialize_embeddings` the generator is evaluated on every id and written as the

@@ -13,10 +13,12 @@ import os
 
 HF_DIR = os.path.dirname(os.path.abspath(__file__))
 LEV_SOURCE = os.path.join(os.path.dirname(HF_DIR), "lev", "generator.py")  # exported as lev.py
+LEV_CONFIG_SOURCE = os.path.join(os.path.dirname(HF_DIR), "lev", "lev_config.py")  # which lev.py imports
 REMOTE_CODE_FILES = {  # file written into the export -> its source in this package
     "configuration_lev.py": os.path.join(HF_DIR, "configuration_lev.py"),
     "modeling_lev.py": os.path.join(HF_DIR, "modeling_lev.py"),
     "lev.py": LEV_SOURCE,
+    "lev_config.py": LEV_CONFIG_SOURCE,
 }
 LEV_AUTO_MAP = {"AutoConfig": "configuration_lev.LevConfig", "AutoModel": "modeling_lev.LevModel",
                 "AutoModelForCausalLM": "modeling_lev.LevForCausalLM"}
@@ -38,7 +40,7 @@ def hf_trust_remote_code(folder: str, trust_remote_code: bool = False) -> bool:
       class such as LlamaForCausalLM; nothing of the folder runs);
     * `trust_remote_code` (the user's --trust-remote-code): True, the folder's code as it is;
     * a LEV export: True only when its auto_map names our classes and each code file
-      (modeling_lev.py, configuration_lev.py, lev.py) is byte-identical (SHA-256) to the copy
+      (modeling_lev.py, configuration_lev.py, lev.py, lev_config.py) is byte-identical (SHA-256) to the copy
       this package ships; otherwise UntrustedCodeError naming the file, before any of it runs.
     """
     auto_maps = {}

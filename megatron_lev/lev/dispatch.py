@@ -2,7 +2,7 @@
 the fused Triton kernels of kernels.py on CUDA, else eager PyTorch. The math is generator.py's;
 this module only picks the implementation, and falls back, with one warning, where one cannot
 compile or launch. generator.py imports it only inside the package: an HF export folder, which
-holds generator.py alone (as lev.py), takes the eager PyTorch path (the same math).
+holds generator.py (as lev.py) and lev_config.py without the package, takes the eager PyTorch path (the same math).
 
 It does not import generator.py (generator.py imports it): the functions to compile and the
 kernels' constants are passed in.

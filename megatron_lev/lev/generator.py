@@ -14,11 +14,16 @@ LEV_SPEC.md section 1):
             `M_l[q] = prod_d phi[d, q]`, the spec's sign parity * exp(sum_d log(|phi| + eps))
             computed as float32 products of 16 factors combined by a sum of their logs,
             |M| capped at 2^115 (`mode_product`: the same in the fused kernels);
+            options (issue 49, the modes' shared direction): `mode_groups: G` the mode is the
+            mean over G groups of d_s / G coordinates of each group's product; `mode_product:
+            geometric_mean` each product is sign * exp(mean_d log|phi'|) (the log-sum / its
+            count); `center_modes` M_l[q] - c[l, q], c learned, initialised to the mean mode
+            over `calibration_ids` (`grouped_modes`: plain autograd, the PyTorch path everywhere);
 6. output   `e = sum_l M_l @ w_out[l]`                                         [D]
 7. option   `output_norm`: `e = g * e / rms(e)` (RMSNorm, learned gain g)      [D]
 
 This file is torch-only on purpose: the Hugging Face export copies it verbatim beside
-`modeling_lev.py`. Tensor parallelism lives in `lev/parallel.py`. On CUDA, step 5 (and its
+`modeling_lev.py`, as lev.py, with its config (`lev_config.py`, LEVConfig). Tensor parallelism lives in `lev/parallel.py`. On CUDA, step 5 (and its
 backward) runs as two fused Triton kernels from `lev/kernels.py` when Triton is installed
 (`FUSED_MODES_DEVICES`); `_SeparableModes` is the reference and the CPU path (its per-head
 `mode_product` compiled by torch.compile).
@@ -34,140 +39,27 @@ head_end)` stores only those rows, so merging TP shards is a concatenation along
     delta      [h, d_s, kappa, r]    mode coefficients, S = 1 + delta
     w_out      [h, r, D]             per-head aggregation to the model width
     knot_scale [h, d_s]              per-dimension knot scale (`knot_scale_learnable` only)
+    mode_offset [h, r]               per-mode offset subtracted from the modes (`center_modes` only)
     out_norm_weight [D]              RMSNorm gain of the embedding (`output_norm` only; replicated)
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-DIGIT_ORDERS = ("msb_first", "lsb_first")
-HEAD_SHARDED_PARAMETERS = ("w_seed", "ln_gamma", "ln_beta", "delta", "w_out", "knot_scale")  # knot_scale: optional
-REPLICATED_PARAMETERS = ("codebooks", "out_norm_weight")  # out_norm_weight: with `output_norm` only
+from .lev_config import (DIGIT_ORDERS, HEAD_SHARDED_PARAMETERS, MODE_PRODUCTS,  # noqa: F401  (re-exported)
+                         REPLICATED_PARAMETERS, LEVConfig, smallest_base)
+
 # Rows are evaluated in multiples of this many (padded with id 0). BLAS libraries pick different
 # kernels for very small matrices (MKL: fewer than ~12 rows), which round differently; a fixed minimum
 # block keeps each id's float32 embedding independent of how many other ids are evaluated with it, so
 # unique-id and per-position evaluation agree to the last bit. Verified on CPU (MKL, tests/test_lev.py);
 # cuBLAS also picks kernels by shape, and the GPU has not been checked.
 ROW_BLOCK = 64
-
-
-def smallest_base(vocab_size: int, num_coordinates: int) -> int:
-    """The smallest integer b with b**k >= V, in exact integer arithmetic."""
-    b = max(1, int(round(vocab_size ** (1.0 / num_coordinates))))
-    while b ** num_coordinates < vocab_size:
-        b += 1
-    while b > 1 and (b - 1) ** num_coordinates >= vocab_size:
-        b -= 1
-    return b
-
-
-@dataclass
-class LEVConfig:
-    """Every hyper-parameter of the generator; defaults are the spec's. `digit_base` pins the
-    base instead of deriving it from `vocab_size` (for instance to keep a checkpoint's codebook
-    shape when the vocabulary grows); it must still satisfy `digit_base ** k >= vocab_size`."""
-
-    vocab_size: int
-    hidden_size: int
-    num_coordinates: int = 3  # k
-    seed_dim: int = 128  # d_s
-    num_heads: int = 8  # h
-    num_knots: int = 16  # kappa
-    num_modes: int = 64  # r
-    init_std: float = 0.02
-    delta_init_std: float = 0.1
-    layernorm_eps: float = 1e-5
-    log_eps: float = 1e-9
-    digit_order: str = "msb_first"
-    unique_ids: bool = True
-    digit_base: Optional[int] = None
-    # Initialisation options (docs/lev.md, "Initialisation"); off by default, the spec's init.
-    init_embedding_rms: Optional[float] = None  # scale W_out: embedding RMS at init (0.02 = an N(0, 0.02) table)
-    init_remove_shared: bool = False  # project W_out off the mean mode: tokens share no direction at init
-    # The generator's own knobs (docs/lev.md, "Knobs"); the defaults are the spec's generator.
-    ln_gain_init: float = 1.0  # LayerNorm gain gamma at init; 3.63 spreads x = sigmoid(u / 2) over every knot
-    output_norm: bool = False  # RMSNorm of the embedding (after the sum over all heads), learned gain
-    output_norm_init: float = 0.02  # that gain at init: an N(0, 0.02) table's RMS
-    # The basis as the author's KHRONOS layer builds it (docs/lev.md, "The author's training").
-    knot_scale_learnable: bool = False  # t = |x - g_j| * s[l, d], s a parameter initialised to kappa - 1
-    basis_normalize: bool = True  # divide the weights by their sum (the spec); KHRONOS does not
-
-    spec_basis = property(lambda self: self.basis_normalize and not self.knot_scale_learnable,
-                          doc="The spec's basis (fixed scale, normalised): the 3-knot form, the fused kernels.")
-
-    def __post_init__(self):
-        self.validate()
-
-    @property
-    def base(self) -> int:
-        if self.digit_base is not None:
-            return self.digit_base
-        return smallest_base(self.vocab_size, self.num_coordinates)
-
-    def validate(self, tp_size: int = 1) -> "LEVConfig":
-        """Raise ValueError naming the offending field for an impossible config."""
-        for name in ("vocab_size", "hidden_size", "num_coordinates", "seed_dim", "num_heads", "num_modes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LEVConfig.{name}={value!r} must be a positive integer")
-        if isinstance(self.num_knots, bool) or not isinstance(self.num_knots, int) or self.num_knots < 2:
-            raise ValueError(f"LEVConfig.num_knots={self.num_knots!r} must be an integer >= 2")
-        for name, minimum in (("init_std", 0), ("delta_init_std", 0), ("layernorm_eps", None), ("log_eps", None),
-                              ("ln_gain_init", None), ("output_norm_init", None), ("init_embedding_rms", None)):
-            value = getattr(self, name)
-            if (value is not None or name != "init_embedding_rms") and (isinstance(value, bool) or not (
-                    isinstance(value, (int, float)) and math.isfinite(value)
-                    and (value > 0 if minimum is None else value >= minimum))):
-                raise ValueError(f"LEVConfig.{name}={value!r} must be a finite number "
-                                 f"{'> 0' if minimum is None else '>= 0'}{' or None' * (name == 'init_embedding_rms')}")
-        for name in ("init_remove_shared", "output_norm", "knot_scale_learnable", "basis_normalize"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"LEVConfig.{name}={getattr(self, name)!r} must be true or false")
-        if self.digit_order not in DIGIT_ORDERS:
-            raise ValueError(f"LEVConfig.digit_order={self.digit_order!r} must be one of {DIGIT_ORDERS}")
-        b, k = self.digit_base, self.num_coordinates
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-            raise ValueError(f"LEVConfig.digit_base={b!r} must be a positive integer or None")
-        if b is not None and b ** k < self.vocab_size:
-            raise ValueError(f"LEVConfig.digit_base={b}: {b}**{k} = {b ** k} < vocab_size {self.vocab_size}, "
-                             "so some ids have no digits")
-        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-            raise ValueError(f"tensor-parallel size {tp_size!r} must be a positive integer")
-        if self.num_heads % tp_size != 0:
-            raise ValueError(f"LEVConfig.num_heads={self.num_heads} must be divisible by the tensor-parallel size "
-                             f"{tp_size} (--tensor-model-parallel-size): heads are split over TP ranks")
-        return self
-
-    def num_parameters(self) -> int:
-        """Spec formula: k*b*d_s + h*(d_s^2 + 2*d_s) + h*d_s*kappa*r + h*r*D (+ D with `output_norm`,
-        + h*d_s with `knot_scale_learnable`)."""
-        k, b, ds, h = self.num_coordinates, self.base, self.seed_dim, self.num_heads
-        kappa, r, d = self.num_knots, self.num_modes, self.hidden_size
-        return (k * b * ds + h * (ds * ds + 2 * ds) + h * ds * kappa * r + h * r * d + d * self.output_norm
-                + h * ds * self.knot_scale_learnable)
-
-    def parameter_names(self) -> tuple[str, ...]:
-        """The generator's parameters, replicated ones first (what a full state dict holds)."""
-        optional = {"out_norm_weight": self.output_norm, "knot_scale": self.knot_scale_learnable}
-        return tuple(n for n in (*REPLICATED_PARAMETERS, *HEAD_SHARDED_PARAMETERS) if optional.get(n, True))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "LEVConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"LEVConfig: unknown field(s) {unknown} (known: {sorted(known)})")
-        return cls(**data)
 
 
 # --------------------------------------------------------------------------- math
@@ -258,7 +150,7 @@ def mode_gradient_weight(grad_modes: torch.Tensor, modes: torch.Tensor) -> torch
 @functools.lru_cache(maxsize=None)
 def _dispatch():
     """megatron_lev.lev.dispatch (the compiled CPU mode product, the fused CUDA kernels), or None
-    outside the package: an HF export folder, where this file is copied alone as lev.py, takes the
+    outside the package: an HF export folder, where this file is copied as lev.py, takes the
     eager PyTorch path (the same math)."""
     try:
         from megatron_lev.lev import dispatch
@@ -372,6 +264,24 @@ class _BasisModes(torch.autograd.Function):
             return grad_basis, grad_coeffs, None
 
 
+def grouped_modes(basis: torch.Tensor, coeffs: torch.Tensor, groups: int, geometric: bool, eps: float) -> torch.Tensor:
+    """Dense basis [h, d, n, kappa], S [h, d, kappa, r] -> modes [n, h, r] in plain autograd ops:
+    per head phi = basis @ S, the d coordinates split into `groups` contiguous groups, each
+    group's product sign * exp(sum log|phi'|) (with `geometric`, the log-sum divided by the
+    group's d / groups coordinates), capped at MODE_MAX, and the mean over the groups."""
+    modes = []
+    for l in range(basis.shape[0]):
+        phi = torch.bmm(basis[l], coeffs[l])  # [d, n, r]
+        shifted = torch.where(phi < 0, phi - eps, phi + eps).unflatten(0, (groups, -1))  # [G, d / G, n, r]
+        log_sum = torch.log(shifted.abs()).sum(1)
+        if geometric:
+            log_sum = log_sum / shifted.shape[1]
+        negatives = torch.signbit(shifted).sum(1, dtype=torch.int32)
+        parity_sign = 1.0 - 2.0 * (negatives % 2).to(phi.dtype)
+        modes.append((parity_sign * torch.exp(log_sum).clamp(max=MODE_MAX)).mean(0))
+    return torch.stack(modes, dim=1)
+
+
 def separable_modes(x: torch.Tensor, delta: torch.Tensor, eps: float = 1e-9) -> torch.Tensor:
     """x [n, h, d_s] in [0, 1], delta [h, d_s, kappa, r] (S = 1 + delta) -> modes [n, h, r];
     float32 inside whatever the dtype of x and delta, and under autocast."""
@@ -402,6 +312,10 @@ def init_lev_parameters(config: LEVConfig, generator: torch.Generator) -> dict[s
         "delta": normal((h, ds, kappa, r), config.delta_init_std),
         "w_out": normal((h, r, d), config.init_std / math.sqrt(h)),
     }
+    if config.center_modes:  # no random draw: the other parameters are the spec init's
+        with torch.no_grad():
+            z = seed_vectors(config, params["codebooks"], calibration_ids(config.vocab_size))
+            params["mode_offset"] = seed_modes(config, params, z).mean(0)  # [h, r]
     if config.init_remove_shared or config.init_embedding_rms is not None:
         params["w_out"] = calibrate_w_out(config, params)
     if config.output_norm:
@@ -445,17 +359,26 @@ def seed_vectors(config: LEVConfig, codebooks: torch.Tensor, ids: torch.Tensor) 
 
 
 def seed_modes(config: LEVConfig, params: dict[str, torch.Tensor], z: torch.Tensor) -> torch.Tensor:
-    """z [n, d_s] -> modes [n, h, r] float32 for the heads `params` holds (W_seed, LN, sigmoid, modes)."""
+    """z [n, d_s] -> modes [n, h, r] float32 for the heads `params` holds (W_seed, LN, sigmoid, modes,
+    less `mode_offset` when params has it)."""
     f32, ds = torch.float32, config.seed_dim
     h = params["w_seed"].shape[0]
     u = (z.to(f32) @ params["w_seed"].to(f32).reshape(h * ds, ds).t()).view(-1, h, ds)
     u = F.layer_norm(u, (ds,), eps=config.layernorm_eps) * params["ln_gamma"].to(f32) + params["ln_beta"].to(f32)
     x = torch.sigmoid(0.5 * u)
-    if config.spec_basis:
-        return separable_modes(x, params["delta"], config.log_eps)
-    with torch.autocast(x.device.type, enabled=False):  # the author's basis: the PyTorch path on every device
-        basis = general_basis(x, config.num_knots, params.get("knot_scale"), config.basis_normalize)
-        return _BasisModes.apply(basis, 1.0 + params["delta"].to(f32), config.log_eps)
+    if config.fused_modes:
+        modes = separable_modes(x, params["delta"], config.log_eps)
+    else:
+        with torch.autocast(x.device.type, enabled=False):  # the options: the PyTorch path on every device
+            basis = general_basis(x, config.num_knots, params.get("knot_scale"), config.basis_normalize)
+            coeffs = 1.0 + params["delta"].to(f32)
+            if config.spec_product:
+                modes = _BasisModes.apply(basis, coeffs, config.log_eps)
+            else:
+                modes = grouped_modes(basis, coeffs, config.mode_groups, config.mode_product == "geometric_mean",
+                                      config.log_eps)
+    offset = params.get("mode_offset")
+    return modes if offset is None else modes - offset.to(f32)
 
 
 def pad_to_row_block(ids: torch.Tensor) -> torch.Tensor:
@@ -515,6 +438,8 @@ class LEVGenerator(torch.nn.Module):
             self.out_norm_weight = torch.nn.Parameter(torch.empty(d, **factory))
         if config.knot_scale_learnable:
             self.knot_scale = torch.nn.Parameter(torch.empty(h, ds, **factory))
+        if config.center_modes:
+            self.mode_offset = torch.nn.Parameter(torch.empty(h, r, **factory))
         self.reset_parameters()
 
     @property
@@ -544,11 +469,13 @@ class LEVGenerator(torch.nn.Module):
         """ids [n] -> z [n, d_s] float32: the sum of the k digit codebook rows."""
         return seed_vectors(self.config, self.codebooks, ids)
 
+    def mode_parameters(self) -> dict[str, torch.Tensor]:
+        """This module's parameters that `seed_modes` reads (its heads' W_seed, LN, delta, options)."""
+        return {name: getattr(self, name) for name in HEAD_SHARDED_PARAMETERS if name != "w_out" and hasattr(self, name)}
+
     def heads(self, z: torch.Tensor) -> torch.Tensor:
         """z [n, d_s] -> sum over this module's heads of M_l @ w_out[l], float32 [n, D]."""
-        params = {name: getattr(self, name) for name in ("w_seed", "ln_gamma", "ln_beta", "delta", "knot_scale")
-                  if hasattr(self, name)}
-        modes = seed_modes(self.config, params, z)  # [n, h, r]
+        modes = seed_modes(self.config, self.mode_parameters(), z)  # [n, h, r]
         h, r = self.num_local_heads, self.config.num_modes
         return modes.reshape(-1, h * r) @ self.w_out.to(torch.float32).reshape(h * r, -1)
 

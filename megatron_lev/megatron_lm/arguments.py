@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_lev.lev.generator import DIGIT_ORDERS, LEVConfig
+from megatron_lev.lev.generator import DIGIT_ORDERS, MODE_PRODUCTS, LEVConfig
 from megatron_lev.models.config import MODEL_FIELDS
 from megatron_lev.models.settings import model_section_from_megatron_args
 
 MODEL_OWNED = ("vocab_size", "hidden_size")  # LEV fields set by the model's own flags
+CHOICES = {"digit_order": DIGIT_ORDERS, "mode_product": MODE_PRODUCTS}  # LEV's string fields
 
 
 def lev_fields() -> list[dataclasses.Field]:
@@ -47,8 +48,8 @@ def add_lev_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help_text = f"LEVConfig.{field.name} (default {default})"
         if hints[field.name] is bool:
             group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_text)
-        elif field.name == "digit_order":
-            group.add_argument(flag, dest=dest, choices=DIGIT_ORDERS, default=default, help=help_text)
+        elif field.name in CHOICES:
+            group.add_argument(flag, dest=dest, choices=CHOICES[field.name], default=default, help=help_text)
         else:
             kind = int if hints[field.name] in (int, typing.Optional[int]) else float
             group.add_argument(flag, dest=dest, type=kind, default=default, help=help_text)

@@ -31,7 +31,7 @@ MODEL_FIELDS = (
 # The LEV generator's fields that change its size, with lev/generator.py LEVConfig's defaults
 # (that module needs torch; tests/test_cluster_plan.py checks the two counts agree).
 LEV_SIZE_DEFAULTS = {"num_coordinates": 3, "seed_dim": 128, "num_heads": 8, "num_knots": 16, "num_modes": 64,
-                     "digit_base": None, "output_norm": False, "knot_scale_learnable": False}
+                     "digit_base": None, "output_norm": False, "knot_scale_learnable": False, "center_modes": False}
 
 
 def smallest_base(vocab_size: int, num_coordinates: int) -> int:
@@ -58,6 +58,7 @@ class LevShape:
     digit_base: Optional[int]
     output_norm: bool
     knot_scale_learnable: bool
+    center_modes: bool
 
     @property
     def base(self) -> int:
@@ -65,11 +66,11 @@ class LevShape:
 
     def num_parameters(self) -> int:
         """LEVConfig.num_parameters: k*b*d_s + h*(d_s^2 + 2*d_s) + h*d_s*kappa*r + h*r*D (+ D with
-        `output_norm`, + h*d_s with `knot_scale_learnable`)."""
+        `output_norm`, + h*d_s with `knot_scale_learnable`, + h*r with `center_modes`)."""
         k, b, ds, h = self.num_coordinates, self.base, self.seed_dim, self.num_heads
         kappa, r, d = self.num_knots, self.num_modes, self.hidden_size
         return (k * b * ds + h * (ds * ds + 2 * ds) + h * ds * kappa * r + h * r * d + d * self.output_norm
-                + h * ds * self.knot_scale_learnable)
+                + h * ds * self.knot_scale_learnable + h * r * self.center_modes)
 
 
 @dataclass
@@ -111,7 +112,7 @@ class ModelShape:
 # LEVConfig's fields that do not change its size.
 LEV_OTHER_FIELDS = {"init_std", "delta_init_std", "layernorm_eps", "log_eps", "digit_order", "unique_ids",
                     "init_embedding_rms", "init_remove_shared", "ln_gain_init", "output_norm_init",
-                    "basis_normalize"}
+                    "basis_normalize", "mode_product", "mode_groups"}
 SHAPE_FIELDS = {"embedding", "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
                 "num_query_groups", "kv_channels", "ffn_hidden_size", "make_vocab_size_divisible_by",
                 "embedding_rank", "freeze_input_embedding", "qk_layernorm", "lev"}
