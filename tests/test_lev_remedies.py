@@ -163,3 +163,91 @@ def test_tensor_parallel_equals_one_rank():
         assert_close_at_scale(grads["codebooks"], ref_grads["codebooks"], atol=1e-6)
     for name in ("w_seed", "delta", "w_out", "mode_offset"):
         assert_close_at_scale(torch.cat([r[1][name] for r in ranks]), ref_grads[name], atol=1e-6)
+
+
+@pytest.mark.parametrize("options", [ALL, dict(init_remove_shared=True, init_embedding_rms=0.02)])
+def test_the_remedies_export_to_hugging_face_with_equal_logits(options, single_rank, spm_tokenizer, tmp_path):  # noqa: F811
+    """The offset's init (and the init options', which also evaluate the generator) runs on CPU
+    when transformers builds the model under torch.device("meta"): both failed there before."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_lev.checkpointing.layout import expected_parameter_names, is_extra_state
+    from megatron_lev.configs import load_config
+    from megatron_lev.data.tokenizer import build_tokenizer
+    from megatron_lev.hf.export import save_hf_model
+    from megatron_lev.models.config import model_config_from_dict
+    from megatron_lev.models.decoder import LeviathanModel, gather_logits
+
+    section = load_config("tiny-lev")["model"]
+    section["lev"] = {**section["lev"], **options}
+    cfg = model_config_from_dict(section)
+    model = LeviathanModel(cfg).eval()
+    _trained_looking(model.embedding.generator)
+    full = {k: v for k, v in model.state_dict().items() if not is_extra_state(k)}
+    assert sorted(full) == sorted(expected_parameter_names(cfg))
+    assert ("embedding.generator.mode_offset" in full) == cfg.lev_config().center_modes
+    full["output_layer.weight"] = full["output_layer.weight"][:1000]
+    tokens = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = gather_logits(model(tokens), 1000)
+    tokenizer = build_tokenizer("SentencePieceTokenizer", spm_tokenizer)
+    for materialize in (False, True):
+        folder = save_hf_model(full, cfg, str(tmp_path / f"hf{int(materialize)}"), tokenizer, materialize=materialize)
+        hf = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=not materialize).eval()
+        with torch.no_grad():
+            theirs = hf(tokens).logits
+        torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+
+
+def _train(rank, world_size, runs):
+    from megatron_lev.train import main
+
+    return [main(argv) for argv in runs]
+
+
+def test_the_remedies_train_and_resume_exactly(tiny_dataset, spm_tokenizer, tmp_path):
+    """Every option at once (and output_norm): 8 steps uninterrupted == 4, a checkpoint, --load,
+    4 more, bit for bit; the offset moves."""
+    from megatron_lev.checkpointing.convert import find_checkpoint, read_checkpoint
+    from tests.test_train import read_metrics, train_flags, train_records
+
+    config = tmp_path / "remedies.yaml"
+    config.write_text("base: tiny-lev\nmodel:\n  lev:\n    center_modes: true\n    mode_product: geometric_mean\n"
+                      "    mode_groups: 4\n    output_norm: true\n")
+    ckpt, work = str(tmp_path / "ckpt"), str(tmp_path)
+
+    def flags(name, *extra):
+        return train_flags(tiny_dataset, spm_tokenizer, work, name, "--config", str(config), "--train-iters", "8",
+                           "--eval-interval", "4", *extra)
+
+    runs = [flags("full"), flags("a", "--save", ckpt, "--save-interval", "4", "--exit-interval", "4"),
+            flags("b", "--save", ckpt, "--load", ckpt, "--save-interval", "4")]
+    assert run_distributed(_train, world_size=1, args=(runs,), timeout=600) == [[0, 0, 0]]
+    full, resumed = train_records(work, "full"), {**train_records(work, "a"), **train_records(work, "b")}
+    assert sorted(full) == sorted(resumed) == list(range(1, 9))
+    assert [resumed[i]["loss"] for i in full] == [full[i]["loss"] for i in full]
+    assert [resumed[i]["grad_norm"] for i in full] == [full[i]["grad_norm"] for i in full]
+    assert [r["valid_loss"] for r in read_metrics(work, "b") if "valid_loss" in r] == \
+        [r["valid_loss"] for r in read_metrics(work, "full") if "valid_loss" in r and r["iteration"] > 4]
+    offsets = [read_checkpoint(find_checkpoint(ckpt, i))["embedding.generator.mode_offset"] for i in (4, 8)]
+    assert offsets[0].shape == (4, 16) and not torch.equal(*offsets)  # head x mode, and it trains
+
+
+def test_megatron_lm_flags_build_the_remedies_and_refuse_a_bad_product():
+    import argparse
+
+    from megatron_lev.megatron_lm.arguments import add_lev_args, lev_config_from_args
+
+    parser = add_lev_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--lev-center-modes", "--lev-mode-product", "geometric_mean", "--lev-mode-groups", "4"])
+    args.hidden_size = 64
+    config = lev_config_from_args(args, 1000)
+    assert (config.center_modes, config.mode_product, config.mode_groups) == (True, "geometric_mean", 4)
+    del args.lev_center_modes, args.lev_mode_product, args.lev_mode_groups  # an older checkpoint's arguments
+    assert lev_config_from_args(args, 1000).fused_modes
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--lev-mode-product", "mean"])
+    args = parser.parse_args(["--lev-mode-groups", "3"])
+    args.hidden_size = 64
+    with pytest.raises(ValueError, match=r"^--lev-\*: LEVConfig\.mode_groups=3 must be a positive integer dividing"):
+        lev_config_from_args(args, 1000)

@@ -297,7 +297,14 @@ def separable_modes(x: torch.Tensor, delta: torch.Tensor, eps: float = 1e-9) -> 
 def init_lev_parameters(config: LEVConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
     """The FULL (all heads) float32 parameters, drawn from one seeded CPU generator in a fixed
     order (codebooks, w_seed, delta, w_out), so the values do not depend on how the heads are
-    later split over TP ranks; then the init options applied to W_out (`calibrate_w_out`)."""
+    later split over TP ranks; then the options that evaluate the generator (the mode offset,
+    `calibrate_w_out`). On CPU whatever the default device: transformers builds models under
+    `torch.device("meta")`, where those evaluations cannot run."""
+    with torch.device("cpu"):
+        return _init_lev_parameters(config, generator)
+
+
+def _init_lev_parameters(config: LEVConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
     k, b, ds, h = config.num_coordinates, config.base, config.seed_dim, config.num_heads
     kappa, r, d = config.num_knots, config.num_modes, config.hidden_size
 
