@@ -36,13 +36,15 @@ setup(
         "tqdm>=4.60",  # progress bars of evaluation, token counting, conversion
     ],
     extras_require={
-        "hf": ["transformers>=5.0", "safetensors>=0.4", "protobuf>=3.20"],  # protobuf: SentencePiece -> tokenizer.json
+        # protobuf: SentencePiece -> tokenizer.json; tiktoken (0.7: o200k_base): tools/tiktoken_to_hf.py
+        "hf": ["transformers>=5.0", "safetensors>=0.4", "protobuf>=3.20", "tiktoken>=0.7"],
         "eval": ["transformers>=5.0", "protobuf>=3.20", "safetensors>=0.4", "lm-eval>=0.4.5", "accelerate>=0.26", "matplotlib>=3.7",
                  "scipy>=1.10"],
         "plots": ["matplotlib>=3.7", "scipy>=1.10"],  # scipy: the experiments' paired t-tests
         "wandb": ["wandb"],
         "mpi": ["mpi4py>=3.1"],
-        "test": ["pytest>=8", "transformers>=5.0", "safetensors>=0.4", "protobuf>=3.20", "matplotlib>=3.7", "lm-eval>=0.4.5",
+        "test": ["pytest>=8", "transformers>=5.0", "safetensors>=0.4", "protobuf>=3.20", "tiktoken>=0.7",
+                 "matplotlib>=3.7", "lm-eval>=0.4.5",
                  "scipy>=1.10", "accelerate>=0.26",  # lm-eval's HF model class imports accelerate
                  "triton>=3.2",  # LEV's CUDA kernels, tested on CPU under TRITON_INTERPRET=1
                  "mpi4py>=3.1"],  # the mpirun launch is trained in a test (Open MPI: tools/run_tests.sh)

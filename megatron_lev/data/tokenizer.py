@@ -165,6 +165,7 @@ class HuggingFaceTokenizer(_PretrainingTokenizer):
             self._tok = Tokenizer.from_file(file)
         except Exception as exc:  # tokenizers raises a bare Exception for a damaged file
             raise ValueError(f"--tokenizer-model {file}: not a valid tokenizer.json ({_first_line(exc)})") from None
+        self._vocab_size = None
         declared = _hf_declared_special_tokens(folder)
         self._eod = self._special_id(eod_token or declared.get("eos_token"), _HF_EOD_NAMES)
         if self._eod is None:
@@ -184,7 +185,12 @@ class HuggingFaceTokenizer(_PretrainingTokenizer):
 
     @property
     def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        """The highest id + 1: a vocabulary may leave ids unused (o200k_base converted by
+        tools/tiktoken_to_hf.py: 199,998 ranks, <|endoftext|> 199999, <|endofprompt|> 200018),
+        and the model needs a row for every id, where get_vocab_size counts the entries."""
+        if self._vocab_size is None:
+            self._vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        return self._vocab_size
 
     @property
     def vocab(self) -> dict[str, int]:
