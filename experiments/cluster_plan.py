@@ -179,11 +179,13 @@ def layout_warnings(layouts: list[dict]) -> list[str]:
 def commands(rows: list[dict], gpu_type: str, rates: dict | None = None, sweep_json: str | None = None) -> list[str]:
     """1. the sweep's sbatch lines and its ranking; 2. every run x seed at its kind's rate (the
     numbers when `rates` is given, else a call of this script that reads them from the sweep),
-    then per size and seed the evaluation and curves, then the summary over seeds. Data and
-    tokenizer come from the environment (docs/slurm.md)."""
-    lines = ["# once: DATA_PATH, VALID_DATA_PATH (The Pile, tokenized with the 200k tokenizer.json: "
-             "slurm/preprocess_pile.sh) and", "export TOKENIZER_TYPE=HuggingFaceTokenizer "
-             "TOKENIZER_MODEL=/data/tok/o200k/tokenizer.json",
+    then per size and seed the evaluation and curves, then the summary over seeds. The tokenizer's
+    conversion comes first; data and tokenizer reach the jobs through the environment (docs/cluster.md)."""
+    lines = ["# once: the 200k tokenizer.json from o200k_base's ranks (docs/cluster.md, \"3. The tokenizer\"),",
+             "python tools/tiktoken_to_hf.py --encoding /data/tok/o200k_base.tiktoken --like o200k_base "
+             "--output /data/tok/o200k --check /data/pile/val.jsonl.zst",
+             "# DATA_PATH, VALID_DATA_PATH (The Pile, tokenized with it: slurm/preprocess_pile.sh) and",
+             "export TOKENIZER_TYPE=HuggingFaceTokenizer TOKENIZER_MODEL=/data/tok/o200k/tokenizer.json",
              f"# 1. the learning-rate sweep at {SWEEP_SIZE} (seed {SWEEP_SEED}, the full token budget)"]
     sweep = sweep_runs(rows)
     for run in sweep:
