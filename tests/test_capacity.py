@@ -194,3 +194,37 @@ def test_a_configs_relative_lev_init_from_is_relative_to_that_file(tmp_path, mon
     assert packaged["lev_init_from"] == os.path.join(REPO, "experiments", "results", "issue49", "capacity",
                                                      "fit-tied-w128.pt")
     assert os.path.isfile(packaged["lev_init_from"])
+
+
+def _train(rank, world_size, runs):
+    from megatron_lev.train import main
+
+    return [main(argv) for argv in runs]
+
+
+def test_the_trainer_starts_from_the_fit_at_tp2_and_a_resume_never_reads_it(tiny_dataset, spm_tokenizer, tmp_path):
+    """`--lev-init-from` through the trainer on 2 TP ranks (each loads its heads): at learning rate
+    0 the saved generator is the fit exactly; a resume with the fit file gone goes on from the
+    checkpoint (resumes, evaluations and exports never read it)."""
+    from megatron_lev.checkpointing.convert import find_checkpoint, read_checkpoint
+    from tests.distributed import run_distributed
+    from tests.test_train import train_flags
+
+    lev = model_config_from_dict(TINY).lev_config()
+    path, fitted = _fit_file(tmp_path, lev, init_seed=5)
+    ckpt, work = str(tmp_path / "ckpt"), str(tmp_path)
+
+    def flags(name, *extra):
+        return train_flags(tiny_dataset, spm_tokenizer, work, name, "--config", "tiny-lev", "--train-iters", "2",
+                           "--tensor-model-parallel-size", "2", "--lr", "0", "--min-lr", "0", "--save", ckpt,
+                           "--save-interval", "1", "--eval-interval", "100", "--lr-warmup-iters", "0", *extra)
+
+    assert run_distributed(_train, world_size=2, args=([flags("a", "--lev-init-from", path, "--exit-interval", "1")],),
+                           timeout=600) == [[0], [0]]
+    saved = read_checkpoint(find_checkpoint(ckpt, 1))
+    for name, value in fitted.state_dict().items():
+        assert torch.equal(saved[f"embedding.generator.{name}"], value), name
+    os.remove(path)
+    assert run_distributed(_train, world_size=2, args=([flags("b", "--lev-init-from", path, "--load", ckpt)],),
+                           timeout=600) == [[0], [0]]
+    assert find_checkpoint(ckpt).iteration == 2
