@@ -69,6 +69,28 @@ def embedding_statistics(run_dir: str) -> dict:
     return {"at": at, "clipped_fraction": float(np.mean(clipped)) if clipped else None}
 
 
+def mean_statistics(seeds: dict) -> dict:
+    """{step: {stat: mean over the seeds that logged it, "seeds": how many}} at STAT_STEPS, from
+    {seed: embedding_statistics(...)}."""
+    out = {}
+    for step in STAT_STEPS:
+        per_seed = [r["at"][step] for r in seeds.values() if step in r["at"]]
+        if per_seed:
+            out[step] = {s: float(np.mean([p[s] for p in per_seed])) for s in STATS}
+            out[step]["seeds"] = len(per_seed)
+    return out
+
+
+def statistics_cells(statistics: dict, steps) -> list[str]:
+    """The table's "RMS / cosine / eff. rank" cell of each step ("—" where none was logged)."""
+    cells = []
+    for step in steps:
+        s = statistics.get(step)
+        cells.append("—" if s is None else f"{s['embedding_rms']:.3f} / {s['embedding_mean_cosine']:.3f} / "
+                     f"{s['embedding_effective_rank']:.1f}")
+    return cells
+
+
 def build(runs: str) -> dict:
     found = {name: {} for _, name, _ in ROWS}
     for entry in sorted(os.listdir(runs)):
@@ -89,13 +111,8 @@ def build(runs: str) -> dict:
                "loss_std": float(np.std(losses, ddof=1)) if len(losses) > 1 else None,
                "minus_plain_lev": diffs if name != BASELINE else None,
                "minus_plain_lev_mean": float(np.mean(list(diffs.values()))) if diffs and name != BASELINE else None,
-               "test": paired_t_test(diffs) if len(diffs) > 1 and name != BASELINE else None,
-               "statistics": {}}
-        for step in STAT_STEPS:
-            per_seed = [r["at"][step] for r in seeds.values() if step in r["at"]]
-            if per_seed:
-                row["statistics"][step] = {s: float(np.mean([p[s] for p in per_seed])) for s in STATS}
-                row["statistics"][step]["seeds"] = len(per_seed)
+               "test": paired_t_test(diffs) if len(diffs) > 1 and name != BASELINE else None}
+        row["statistics"] = mean_statistics(seeds)
         clipped = [r["clipped_fraction"] for r in seeds.values() if r["clipped_fraction"] is not None]
         row["clipped_fraction"] = float(np.mean(clipped)) if clipped else None
         rows.append(row)
@@ -118,11 +135,7 @@ def markdown(result: dict) -> str:
              "|---" * (7 + len(result["stat_steps"])) + "|"]
     for row in result["rows"]:
         per_seed = ", ".join(f"{v:+.3f}" for _, v in sorted((row["minus_plain_lev"] or {}).items()))
-        stats = []
-        for step in result["stat_steps"]:
-            s = row["statistics"].get(step)
-            stats.append("—" if s is None else f"{s['embedding_rms']:.3f} / {s['embedding_mean_cosine']:.3f} / "
-                         f"{s['embedding_effective_rank']:.1f}")
+        stats = statistics_cells(row["statistics"], result["stat_steps"])
         p = row["test"]["p"] if row["test"] else None
         p_cell = _f(p, ".3f") + (f" ({row['p_holm']:.3f})" if row.get("p_holm") is not None else "")
         spread = f" ± {row['loss_std']:.3f}" if row["loss_std"] is not None else ""

@@ -1,0 +1,68 @@
+"""Issue 49, item 3: the screen of remedies for the modes' shared direction
+(experiments/remedies.py). The table is rebuilt from the committed result files and must be what
+docs/experiments.md quotes; its figures are the evaluator's and the trainer's own records, and the
+bracket rule (each option at its best rate, "open" until both neighbours ran) is the plan's."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "experiments", "results")
+RUNS = os.path.join(RESULTS, "issue49", "v8000", "runs")
+BASELINE_RUNS = os.path.join(RESULTS, "issue42", "v8000", "runs")
+
+
+def _remedies():
+    spec = importlib.util.spec_from_file_location("remedies", os.path.join(REPO, "experiments", "remedies.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _loss(runs: str, run: str) -> float:
+    with open(os.path.join(runs, run, "evaluation.json")) as f:
+        return json.load(f)["models"][run]["loss"]
+
+
+def test_the_remedies_table_is_what_the_docs_quote_and_its_figures_are_the_runs(tmp_path):
+    result = _remedies().main(["--runs", RUNS, "--baseline-runs", BASELINE_RUNS, "--output", str(tmp_path)])
+    table = (tmp_path / "remedies.md").read_text()
+    with open(os.path.join(REPO, "docs", "experiments.md")) as f:
+        assert table.strip() in f.read(), "docs/experiments.md does not quote experiments/remedies.py's table"
+    with open(os.path.join(os.path.dirname(RUNS), "remedies.md")) as f:
+        assert f.read() == table
+    rows = {r["label"]: r for r in result["rows"]}
+    plain = rows["plain LEV"]
+    # Plain LEV's seed 1 is this session's run; seeds 2-3 are issue 42's.
+    assert plain["loss"]["1"] == _loss(RUNS, "lev-lr2e-3-s1")
+    assert plain["loss"]["2"] == _loss(BASELINE_RUNS, "lev-lr2e-3-s2")
+    centred = rows["centred modes"]
+    run = f"lev-center-lr{centred['rate']}-s1"
+    assert centred["minus_plain_lev"]["1"] == pytest.approx(_loss(RUNS, run) - _loss(RUNS, "lev-lr2e-3-s1"))
+    assert centred["ahead"] == (centred["minus_plain_lev"]["1"] < -0.017)
+    # Step 0's statistics are the trainer's first record of that run.
+    with open(os.path.join(RUNS, run, "metrics.jsonl")) as f:
+        first = json.loads(f.readline())
+    assert first["iteration"] == 0
+    assert centred["statistics"][0]["embedding_effective_rank"] == first["embedding_effective_rank"]
+    assert centred["statistics"][0]["embedding_mean_cosine"] == first["embedding_mean_cosine"]
+
+
+def test_each_option_takes_its_best_rate_and_its_bracket_is_open_until_both_neighbours_ran():
+    best_rate = _remedies().best_rate
+
+    def found(**losses):
+        return {("x", rate.replace("_", "-")): {"1": {"loss": loss}} for rate, loss in losses.items()}
+
+    assert best_rate(found(), "x") == (None, False)
+    assert best_rate(found(**{"2e_3": 4.0}), "x") == ("2e-3", False)
+    assert best_rate(found(**{"1e_3": 4.1, "2e_3": 4.0, "4e_3": 4.05}), "x") == ("2e-3", True)
+    # Best at the top of 1e-3 / 2e-3 / 4e-3: open until 8e-3 ran, then 8e-3 itself is an end.
+    assert best_rate(found(**{"1e_3": 4.1, "2e_3": 4.0, "4e_3": 3.9}), "x") == ("4e-3", False)
+    assert best_rate(found(**{"1e_3": 4.1, "2e_3": 4.0, "4e_3": 3.9, "8e_3": 3.95}), "x") == ("4e-3", True)
+    assert best_rate(found(**{"2e_3": 4.0, "4e_3": 3.9, "8e_3": 3.8}), "x") == ("8e-3", False)
+    assert best_rate(found(**{"5e_4": 3.7, "1e_3": 3.8, "2e_3": 4.0}), "x") == ("5e-4", False)
