@@ -183,7 +183,8 @@ def _default_device() -> str:
 
 
 def downstream_table(results: dict[str, dict], baseline: str) -> ComparisonTable:
-    """Rows `task / metric` (stderr omitted), columns models."""
+    """Rows `task / metric`, columns models; each value with lm-eval's standard error (bootstrap or
+    analytic, as lm-eval reports it; none for a single example)."""
     models = list(results)
     rows = []
     for model in models:
@@ -194,9 +195,11 @@ def downstream_table(results: dict[str, dict], baseline: str) -> ComparisonTable
                 if (task, metric) not in rows:
                     rows.append((task, metric))
     values = {m: [_finite(results[m]["tasks"].get(t, {}).get(k)) for t, k in rows] for m in models}
+    errors = {m: [_finite(results[m]["tasks"].get(t, {}).get(f"{k}_stderr")) for t, k in rows] for m in models}
     examples = [results[baseline]["tasks"].get(t, {}).get("num_examples") for t, _ in rows]
     return ComparisonTable("Downstream tasks (lm-eval)", [f"{t} / {k}" for t, k in rows], values, baseline,
-                           info_columns={"examples": examples}, metric_name="lm-eval metric")
+                           info_columns={"examples": examples}, metric_name="lm-eval metric ± its standard error",
+                           errors=errors)
 
 
 def _finite(value):

@@ -27,11 +27,12 @@ class ComparisonTable:
     baseline: str
     info_columns: dict[str, list] = field(default_factory=dict)  # extra per-row columns shown first
     metric_name: str = "value"
+    errors: dict[str, list[float | None]] = field(default_factory=dict)  # standard errors, shown as "value ± error"
 
     def __post_init__(self):
         if self.baseline not in self.values:
             raise ValueError(f"baseline {self.baseline!r} is not one of the models: {', '.join(self.values)}")
-        for name, column in {**self.values, **self.info_columns}.items():
+        for name, column in {**self.values, **self.info_columns, **self.errors}.items():
             if len(column) != len(self.row_labels):
                 raise ValueError(f"column {name!r} has {len(column)} rows, expected {len(self.row_labels)}")
 
@@ -44,6 +45,8 @@ class ComparisonTable:
             row = {"label": label}
             row.update({k: col[i] for k, col in self.info_columns.items()})
             row["values"] = {m: col[i] for m, col in self.values.items()}
+            if self.errors:
+                row["stderr"] = {m: col[i] for m, col in self.errors.items()}
             row["relative_change_pct"] = {m: self.relative(m)[i] for m in self.values if m != self.baseline}
             rows.append(row)
         return {"title": self.title, "metric": self.metric_name, "baseline": self.baseline, "rows": rows}
@@ -56,12 +59,15 @@ class ComparisonTable:
                  "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         rel = {m: self.relative(m) for m in others}
         for i, label in enumerate(self.row_labels):
-            cells = [label, *(_fmt(col[i]) for col in self.info_columns.values()),
-                     _fmt(self.values[self.baseline][i])]
-            cells += [_fmt(self.values[m][i]) for m in others]
+            cells = [label, *(_fmt(col[i]) for col in self.info_columns.values()), self._value(self.baseline, i)]
+            cells += [self._value(m, i) for m in others]
             cells += ["n/a" if rel[m][i] is None else f"{rel[m][i]:+.1f}%" for m in others]
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines) + "\n"
+
+    def _value(self, model: str, i: int) -> str:
+        value, error = self.values[model][i], (self.errors.get(model) or [None] * (i + 1))[i]
+        return _fmt(value) if value is None or error is None else f"{_fmt(value)} ± {_fmt(error)}"
 
 
 def _fmt(value) -> str:

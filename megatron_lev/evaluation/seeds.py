@@ -16,6 +16,10 @@ its data order and validation tokens), then over seeds:
               stratifications (by the predicted token and by the input token)
   curves      MODEL's tokens to BASELINE's final validation loss, the speed-up
               (BASELINE's final tokens / those tokens) and the final-loss difference
+  downstream  where a seed's downstream.json (megatron_lev.evaluation.downstream) scores both:
+              every task / metric's score per model (mean +- std over seeds, and lm-eval's
+              own standard error) and the difference MODEL - BASELINE with a paired t-test,
+              Holm-adjusted over the pair's task / metric rows
 
 Each is reported as the mean, the sample standard deviation (ddof = 1; none for a single
 seed) and n, the number of seeds where it is defined: a bucket without evaluated tokens
@@ -117,7 +121,7 @@ def seed_outputs(seed: str, seed_dir: str) -> dict:
     if not os.path.isdir(seed_dir):
         raise FileNotFoundError(f"--seed-dir {seed}={seed_dir}: no such directory")
     return {"dir": seed_dir, "evaluations": _load_all(seed_dir, "evaluation.json"),
-            "curves": _load_all(seed_dir, "curves.json")}
+            "curves": _load_all(seed_dir, "curves.json"), "downstream": _load_all(seed_dir, "downstream.json")}
 
 
 def _evaluation_for(outputs: dict, seed: str, model: str, baseline: str) -> dict:
@@ -180,7 +184,75 @@ def pair_changes(model: str, baseline: str, seeds: dict[str, dict]) -> dict:
                   if model in p and baseline in p}
         if slopes:
             out["curves"]["difference_slope"] = {**_summary(slopes), "paired_t_test": paired_t_test(slopes)}
+    downstream = pair_downstream(model, baseline, seeds)
+    if downstream is not None:
+        out["downstream"] = downstream
     return out
+
+
+def pair_downstream(model: str, baseline: str, seeds: dict[str, dict]) -> dict | None:
+    """lm-eval's scores of `model` and `baseline` over the seeds whose downstream.json scores both
+    (None when none does): per task and metric, each model's mean +- std over seeds and the mean
+    of lm-eval's own standard errors (the spread of one seed's score over the task's examples),
+    the per-seed difference MODEL - BASELINE with its mean +- std and paired t-test, and the t-tests'
+    p-values Holm-adjusted over the pair's task/metric rows (the family a reader scans)."""
+    per_row: dict[tuple[str, str], dict] = {}
+    used = []
+    for seed, outputs in seeds.items():
+        report = next((r for _, r in outputs.get("downstream", ())
+                       if model in r.get("models", {}) and baseline in r.get("models", {})), None)
+        if report is None:
+            continue
+        used.append(seed)
+        m_tasks, b_tasks = report["models"][model]["tasks"], report["models"][baseline]["tasks"]
+        for task, metrics in b_tasks.items():
+            for metric, value in metrics.items():
+                other = m_tasks.get(task, {}).get(metric)
+                if metric.endswith("_stderr") or metric == "num_examples" or other is None:
+                    continue
+                entry = per_row.setdefault((task, metric), {"model": {}, "baseline": {}, "stderr_model": {},
+                                                            "stderr_baseline": {}, "examples": {}})
+                entry["model"][seed], entry["baseline"][seed] = other, value
+                entry["stderr_model"][seed] = m_tasks[task].get(f"{metric}_stderr")
+                entry["stderr_baseline"][seed] = metrics.get(f"{metric}_stderr")
+                entry["examples"][seed] = metrics.get("num_examples")
+    if not used:
+        return None
+    rows = []
+    for (task, metric), entry in per_row.items():
+        difference = {s: entry["model"][s] - entry["baseline"][s] for s in entry["model"]}
+        rows.append({"task": task, "metric": metric, "examples": entry["examples"],
+                     model: _summary(entry["model"]), baseline: _summary(entry["baseline"]),
+                     f"{model}_stderr": mean_std(entry["stderr_model"].values()),
+                     f"{baseline}_stderr": mean_std(entry["stderr_baseline"].values()),
+                     "difference": {**_summary(difference), "paired_t_test": paired_t_test(difference)}})
+    adjusted = holm({i: r["difference"]["paired_t_test"]["p"] for i, r in enumerate(rows)})
+    for i, r in enumerate(rows):
+        r["difference"]["p_holm"] = adjusted[i]
+    return {"seeds": used, "rows": rows}
+
+
+def downstream_markdown(p: dict) -> list[str]:
+    """pair_changes' downstream rows as a table (model names from the pair)."""
+    d, model, baseline = p["downstream"], p["model"], p["baseline"]
+
+    def score(stat, error):
+        spread = "" if stat["std"] is None else f" ± {stat['std']:.4f}"
+        stderr = "" if error["mean"] is None else f" (stderr {error['mean']:.4f})"
+        return f"{stat['mean']:.4f}{spread}{stderr}"
+
+    lines = [f"**Downstream tasks, {model} vs {baseline}** (lm-eval; mean ± std over seeds {', '.join(d['seeds'])}, "
+             "lm-eval's standard error of one seed in brackets)", "",
+             f"| task / metric | examples | {baseline} | {model} | {model} - {baseline}, per seed | "
+             "paired t-test (Holm) |", "|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        diff, test = r["difference"], r["difference"]["paired_t_test"]
+        examples = sorted({v for v in r["examples"].values() if v is not None})
+        p_cell = "n/a" if test["p"] is None else f"p = {test['p']:.3f} ({diff['p_holm']:.3f})"
+        lines.append(f"| {r['task']} / {r['metric']} | {', '.join(map(str, examples)) or 'n/a'} | "
+                     f"{score(r[baseline], r[f'{baseline}_stderr'])} | {score(r[model], r[f'{model}_stderr'])} | "
+                     f"{_cell(diff, '', 4)}: {', '.join(f'{v:+.4f}' for v in diff['per_seed'].values())} | {p_cell} |")
+    return lines + [""]
 
 
 def mean_curves(paths_by_seed: dict[str, dict], names: list[str]) -> dict[str, tuple]:
@@ -289,6 +361,8 @@ def summary_markdown(pairs: list[dict]) -> str:
             row("final validation loss difference (training curve, nats)", c["final_loss_difference"], "", 4,
                 "{:+.4f}")
         lines.append("")
+        if "downstream" in p:
+            lines += downstream_markdown(p)
     specs = [(stratum, spec) for stratum in STRATUM_SECTIONS for spec in (pairs[0]["buckets"].get(stratum) or {})]
     for stratum, spec in specs:
         first = pairs[0]["buckets"][stratum][spec]
@@ -347,7 +421,7 @@ def main(argv=None) -> dict:
                                      description="Mean +- std over seeds of perplexity changes (overall and per "
                                                  "frequency bucket) and tokens-to-target.")
     parser.add_argument("--seed-dir", action="append", required=True, metavar="SEED=DIR",
-                        help="one seed's evaluation.json and curves.json files (anywhere below DIR); repeat")
+                        help="one seed's evaluation.json, curves.json and downstream.json files (anywhere below DIR); repeat")
     parser.add_argument("--pair", action="append", required=True, metavar="MODEL:BASELINE",
                         help="a comparison, e.g. lev:tied; repeat")
     parser.add_argument("--output-dir", required=True)
