@@ -25,7 +25,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from screen import STAT_STEPS, embedding_statistics, evaluator_loss, mean_statistics, statistics_cells  # noqa: E402
+from screen import (STAT_STEPS, _f, difference_cells, embedding_statistics, evaluator_loss,  # noqa: E402
+                    mean_statistics, statistics_cells)
 
 from megatron_lev.evaluation.seeds import holm, paired_t_test  # noqa: E402
 from megatron_lev.utils.files import write_json_atomic, write_text_atomic  # noqa: E402
@@ -99,20 +100,14 @@ def build(runs: str, baseline_runs: str) -> dict:
             "rows": rows}
 
 
-def _f(value, fmt: str) -> str:
-    return "—" if value is None else format(value, fmt)
-
-
 def markdown(result: dict) -> str:
     lines = ["| option | seed 1 by rate | rate | seeds | − plain LEV (per seed) | mean | p (Holm) | "
              + " | ".join(f"step {s}: RMS / cosine / eff. rank" for s in result["stat_steps"]) + " |",
              "|---" * (7 + len(result["stat_steps"])) + "|"]
     for row in result["rows"]:
         by_rate = ", ".join(f"{r}: {v:.4f}" for r, v in row["seed1_by_rate"].items())
-        per_seed = ", ".join(f"{v:+.3f}" for _, v in sorted((row["minus_plain_lev"] or {}).items()))
+        per_seed, p_cell = difference_cells(row)
         stats = statistics_cells(row["statistics"], result["stat_steps"])
-        p = row["test"]["p"] if row["test"] else None
-        p_cell = _f(p, ".3f") + (f" ({row['p_holm']:.3f})" if row.get("p_holm") is not None else "")
         rate = row["rate"] + ("" if row["bracket_closed"] else " (open)")
         lines.append(f"| {row['label']} | {by_rate or '—'} | {rate} | {','.join(row['seeds'])} | {per_seed or '—'} | "
                      f"{_f(row['minus_plain_lev_mean'], '+.3f')} | {p_cell} | " + " | ".join(stats) + " |")
@@ -129,8 +124,9 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     result = build(args.runs, args.baseline_runs)
     write_json_atomic(os.path.join(args.output, "remedies.json"), result)
-    write_text_atomic(os.path.join(args.output, "remedies.md"), markdown(result))
-    print(markdown(result))
+    table = markdown(result)
+    write_text_atomic(os.path.join(args.output, "remedies.md"), table)
+    print(table)
     return result
 
 

@@ -129,15 +129,20 @@ def _f(value, fmt: str) -> str:
     return "—" if value is None else format(value, fmt)
 
 
+def difference_cells(row: dict) -> tuple[str, str]:
+    """The table's "− plain LEV (per seed)" and "p (Holm)" cells of a row."""
+    per_seed = ", ".join(f"{v:+.3f}" for _, v in sorted((row["minus_plain_lev"] or {}).items()))
+    p = row["test"]["p"] if row["test"] else None
+    return per_seed, _f(p, ".3f") + (f" ({row['p_holm']:.3f})" if row.get("p_holm") is not None else "")
+
+
 def markdown(result: dict) -> str:
     lines = ["| option | seeds | loss (mean ± std) | − plain LEV (per seed) | mean | p (Holm) | "
              + " | ".join(f"step {s}: RMS / cosine / eff. rank" for s in result["stat_steps"]) + " | clipped |",
              "|---" * (7 + len(result["stat_steps"])) + "|"]
     for row in result["rows"]:
-        per_seed = ", ".join(f"{v:+.3f}" for _, v in sorted((row["minus_plain_lev"] or {}).items()))
+        per_seed, p_cell = difference_cells(row)
         stats = statistics_cells(row["statistics"], result["stat_steps"])
-        p = row["test"]["p"] if row["test"] else None
-        p_cell = _f(p, ".3f") + (f" ({row['p_holm']:.3f})" if row.get("p_holm") is not None else "")
         spread = f" ± {row['loss_std']:.3f}" if row["loss_std"] is not None else ""
         lines.append(f"| {row['label']} | {','.join(row['seeds'])} | {row['loss_mean']:.4f}{spread} | "
                      f"{per_seed or '—'} | {_f(row['minus_plain_lev_mean'], '+.3f')} | {p_cell} | "
