@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import shlex
 import subprocess
@@ -135,6 +136,20 @@ def test_slurm_scripts_keep_the_newest_checkpoints_and_say_the_disk(tmp_path):
                         "every one kept (KEEP_CHECKPOINTS=0): 92 over the run's 91553 iterations (SAVE_INTERVAL=1000)",
                         "the run needs about 1.8 TB in CHECKPOINT_DIR, and 19.8 GB more while a resume at another "
                         "layout converts one"]
+    assert disk[4] == ("step and save times not measured yet (a start of the run records them: metrics.jsonl's "
+                       "step_time_s, each checkpoint's complete.json save_seconds)")
+    # An earlier start measured both: the median of the last 20 logged step times, the newest save's.
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "iter_0002000").mkdir(parents=True)
+    (ckpt / "iter_0002000" / "complete.json").write_text(json.dumps({"iteration": 2000, "save_seconds": 42.0,
+                                                                     "files": {}}))
+    steps = [9.0] * 5 + [2.0, 2.2, 2.1] * 6 + [2.3, 2.1]  # the first 5 fall outside the last 20
+    (ckpt / "metrics.jsonl").write_text("".join(json.dumps({"iteration": 10 * i, "step_time_s": t}) + "\n"
+                                                for i, t in enumerate(steps, 1)) + '{"iteration": 250, "valid_lo')
+    _, disk = dry_run()
+    assert disk[-1] == ("a step took 2.1 s and a save 42 s (measured in CHECKPOINT_DIR): SAVE_INTERVAL=1000 spends "
+                        "2% of the time saving, and a crash loses up to 35 min of training (SAVE_INTERVAL=1980 would "
+                        "spend 1%)")
     cmd, _ = dry_run(EXTRA_ARGS="--keep-last-checkpoints 5")
     assert cmd.count("--keep-last-checkpoints") == 1 and cmd[cmd.index("--keep-last-checkpoints") + 1] == "5"
     proc = run_script("train_lev_1b.sh", **inputs, KEEP_CHECKPOINTS=2, EXTRA_ARGS="--keep-last-checkpoints 5")

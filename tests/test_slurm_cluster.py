@@ -15,6 +15,7 @@ the trainers after that iteration until the test has acted (a signal also releas
 test races the run, however fast the machine trains."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -23,6 +24,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.distributed import free_port
 from tests.test_slurm import REPO, flag, run_script, script_env
@@ -266,6 +268,9 @@ def test_sbatch_trains_on_two_cpu_ranks_and_checkpoints(uninterrupted_job):
     assert sorted(saved) == list(range(SAVE_INTERVAL, TRAIN_ITERS + 1, SAVE_INTERVAL))[-3:]
     assert sorted(p.name for p in job.ckpt.glob("iter_*")) == [f"iter_{i:07d}" for i in sorted(saved)]
     assert "checkpoints: one checkpoint is about " in out and "the newest 3 kept (KEEP_CHECKPOINTS=3)" in out
+    assert "step and save times not measured yet" in out  # the first start
+    # Each checkpoint records its save's time, which a later start weighs SAVE_INTERVAL with.
+    assert all(json.loads((job.ckpt / f"iter_{i:07d}" / "complete.json").read_text())["save_seconds"] > 0 for i in saved)
     training = _run_config(job.ckpt)["training"]
     assert (training["data_parallel_size"], training["micro_batch_size"], training["global_batch_size"]) == (2, 2, 4)
 
@@ -294,6 +299,9 @@ def test_usr1_checkpoints_requeues_and_resumes_at_the_next_iteration(preempted_j
     assert f"restart 1 on {job.cluster.node}; resuming from checkpoint: iter_{stopped_at:07d}" in launch, job.logs()
     assert f"resumed from {job.ckpt}/iter_{stopped_at:07d} at iteration {stopped_at}" in preempted_job["node1"], \
         job.logs()
+    # The second start's first lines weigh the save interval with the first start's measured times.
+    assert re.search(r"a step took [0-9.e+-]+ s and a save [0-9.e+-]+ s \(measured in CHECKPOINT_DIR\): "
+                     r"SAVE_INTERVAL=5 spends [0-9.e+-]+% of the time saving", preempted_job["out1"]), job.logs()
     records = preempted_job["records"]
     last = records[-1]["iteration"]
     assert last >= stopped_at + 3
@@ -320,6 +328,88 @@ def test_scancel_stops_the_job_with_latest_intact(preempted_job):
     # Every checkpoint folder there is complete: none was cut short.
     folders = sorted(p.name for p in job.ckpt.glob("iter_*"))
     assert folders == sorted(tag for _, tag in complete_checkpoints(str(job.ckpt)))
+
+
+def _save_folder_at(folder: Path, ckpt: Path, iteration: int) -> str:
+    """A --save folder holding one checkpoint of the run in `ckpt` (linked) and its metrics up to
+    it: that run as it stood at `iteration`."""
+    folder.mkdir(parents=True)
+    tag = f"iter_{iteration:07d}"
+    (folder / tag).symlink_to(ckpt / tag)
+    (folder / "latest").write_text(tag)
+    lines = [l for l in (ckpt / "metrics.jsonl").read_text().splitlines() if json.loads(l)["iteration"] <= iteration]
+    (folder / "metrics.jsonl").write_text("".join(l + "\n" for l in lines))
+    return str(folder)
+
+
+def test_evaluation_and_release_as_a_job(slurm_cluster, uninterrupted_job, tmp_path, tiny_dataset):
+    """slurm/evaluate.sh on the trained tiny run, two "seeds" of a pair (`late` = its iteration 60,
+    `early` = 50 and 55): perplexity, curves, exports, lm-eval on local PIQA / LAMBADA, the
+    release with the scores in its card, the summary over seeds. Each stage's numbers are the
+    tools' own on the same checkpoints; resubmitted, the job skips every finished stage."""
+    ckpt = uninterrupted_job["job"].ckpt
+    for seed, early in (("1", 50), ("2", 55)):
+        _save_folder_at(tmp_path / "runs" / f"late-s{seed}", ckpt, TRAIN_ITERS)
+        _save_folder_at(tmp_path / "runs" / f"early-s{seed}", ckpt, early)
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    piqa = [{"goal": "def f", "sol1": "return x", "sol2": "import y", "label": 0},
+            {"goal": "for i in", "sol1": "range(3):", "sol2": "the mat", "label": 0},
+            {"goal": "class A", "sol1": "(object):", "sol2": "print", "label": 1}]
+    (tasks / "piqa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in piqa))
+    lambada = [{"text": "import os"}, {"text": "return self"}, {"text": "def main"}]
+    (tasks / "lambada_openai.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lambada))
+    out = tmp_path / "eval"
+    env = slurm_cluster.env(script_env(
+        shims=False, RUNS=f"late={tmp_path}/runs/late-s{{seed}} early={tmp_path}/runs/early-s{{seed}}", SEEDS="1 2",
+        BASELINE="early", OUTPUT_DIR=out, TASK_DATA_DIR=tasks, TASKS="piqa,lambada_openai", EVAL_BATCH_SIZE=2,
+        EVAL_TOKENS=2048, CURVES_METRIC="loss", FREQ_DATASET=tiny_dataset, BUCKETS="quantile:2", BF16=0,
+        EXPORT_DTYPE="fp32", LICENSE="apache-2.0", HF_DATASET="monology/pile-uncopyrighted", OMP_NUM_THREADS=1,
+        SITE_ENV=uninterrupted_job["job"].env["SITE_ENV"]))
+    job = Job(slurm_cluster, env, tmp_path, ["--gres=none", "--cpus-per-task=2"], "slurm/evaluate.sh")
+    final = job.wait_finished(900)
+    assert (final["JobState"], final["ExitCode"]) == ("COMPLETED", "0:0"), job.out()[-6000:]
+    log = job.out()
+    assert f"seed 2: late = {tmp_path}/runs/late-s2 at iter_{TRAIN_ITERS:07d}, early = {tmp_path}/runs/early-s2 at " \
+           "iter_0000055" in log
+    assert "[15/15] seeds -> seeds: " in log and not list(out.rglob("*.partial"))
+    evaluation = {s: json.loads((out / f"s{s}" / "evaluation" / "evaluation.json").read_text()) for s in ("1", "2")}
+    loss = {s: {m: r["loss"] for m, r in e["models"].items()} for s, e in evaluation.items()}
+    assert loss["1"]["late"] == loss["2"]["late"] and loss["1"]["early"] != loss["2"]["early"]  # the same iter 60
+    assert all(e["eval_tokens"] == 2048 and e["baseline"] == "early" for e in evaluation.values())
+    curves = json.loads((out / "s1" / "curves" / "curves.json").read_text())
+    assert curves["baseline"] == "early"
+    downstream = {s: json.loads((out / f"s{s}" / "downstream" / "downstream.json").read_text()) for s in ("1", "2")}
+    for s, report in downstream.items():
+        for name in ("late", "early"):
+            piqa_scores = report["models"][name]["tasks"]["piqa"]
+            assert piqa_scores["num_examples"] == 3 and 0 <= piqa_scores["acc"] <= 1
+            assert piqa_scores["acc_stderr"] >= 0 and report["models"][name]["tasks"]["lambada_openai"]["perplexity"] > 1
+            assert report["models"][name]["path"] == str(out / f"s{s}" / "hf" / name)
+    # The release: the checkpoint again, its card carrying that seed's scores with their errors.
+    card = (out / "s2" / "release" / "late" / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["license"] == "apache-2.0" and meta["datasets"] == ["monology/pile-uncopyrighted"]
+    late = downstream["2"]["models"]["late"]["tasks"]
+    assert (f"| piqa | acc | {late['piqa']['acc']:.4f} | {late['piqa']['acc_stderr']:.4f} | 3 |") in card
+    assert f"model `late` of `downstream.json`" in card
+    assert Path(out / "s2" / "release" / "late" / "model.safetensors").read_bytes() == Path(
+        out / "s2" / "hf" / "late" / "model.safetensors").read_bytes()
+    seeds = json.loads((out / "seeds" / "seeds.json").read_text())
+    (pair,) = seeds["pairs"]
+    assert (pair["model"], pair["baseline"]) == ("late", "early")
+    difference = [loss[s]["late"] - loss[s]["early"] for s in ("1", "2")]
+    assert pair["loss_difference"]["mean"] == pytest.approx(sum(difference) / 2, rel=1e-9)
+    rows = {(r["task"], r["metric"]): r for r in pair["downstream"]["rows"]}
+    assert rows["piqa", "acc"]["late"]["n"] == 2
+
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*.json")}
+    (tmp_path / "again").mkdir()
+    again = Job(slurm_cluster, env, tmp_path / "again", ["--gres=none", "--cpus-per-task=2"], "slurm/evaluate.sh")
+    final = again.wait_finished(300)
+    assert (final["JobState"], final["ExitCode"]) == ("COMPLETED", "0:0"), again.out()
+    assert again.out().count(": done, skipping (FORCE=1 redoes it)") == 15
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*.json")} == stamps
 
 
 def test_preprocess_pile_as_a_job_array(slurm_cluster, tmp_path, python_corpus, spm_tokenizer, tiny_dataset):

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import shutil
+import time
 from typing import Optional
 
 import torch
@@ -112,6 +113,7 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, c
                     keep_last: Optional[int] = None) -> str:
     """Collective: every rank calls it. Returns the tag written. A checkpoint that cannot fit on the
     disk is refused before anything is written (check_space: CheckpointSpaceError)."""
+    started = time.perf_counter()
     tag = checkpoint_tag(iteration)
     tag_dir = os.path.join(save_dir, tag)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -139,8 +141,10 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, c
         for root, _, _ in os.walk(tag_dir):
             fsync_dir(root)
         # The marker lists every file with its size: a later truncation is found before loading.
+        # save_seconds: this save's wall time up to the marker (every rank's files written and fsynced);
+        # the Slurm launcher weighs SAVE_INTERVAL with it (launcher/disk.py).
         marker = {"iteration": iteration, "world_size": world, "consumed_samples": client_state.get("consumed_samples"),
-                  "files": sizes}
+                  "save_seconds": round(time.perf_counter() - started, 3), "files": sizes}
         write_text_atomic(os.path.join(tag_dir, COMPLETE_MARKER), json.dumps(marker), durable=True)
         write_text_atomic(os.path.join(save_dir, LATEST), tag, durable=True)
         if keep_last:  # --keep-checkpoints-every: the effective config's (the trainer passes only keep_last)

@@ -5,6 +5,8 @@
     after-step    the decision once a job step has ended: restart it in the allocation, requeue the
                   job, or the job's exit status (steps.py)
     pile          slurm/preprocess_pile.sh's array task: its command is run (printed under DRY_RUN)
+    evaluate      slurm/evaluate.sh's job: the evaluation and release stages, one after the other
+                  (printed under DRY_RUN; evaluation.py)
 
 Lines for the job's output go to stdout; what the batch shell must evaluate (exports, the srun
 command, the decision) comes back as shell assignments on file descriptor 3. A launch that cannot
@@ -104,10 +106,16 @@ def pile(env: dict) -> int:
     return 0
 
 
+def evaluate(env: dict) -> int:
+    from megatron_lev.launcher.evaluation import run_evaluation
+
+    return run_evaluation(env, _repo(env))
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = {"plan": lambda: plan(dict(os.environ)), "after-step": lambda: after_step(argv[1:]),
-                "pile": lambda: pile(dict(os.environ))}
+                "pile": lambda: pile(dict(os.environ)), "evaluate": lambda: evaluate(dict(os.environ))}
     if not argv or argv[0] not in commands:
         print(__doc__, file=sys.stderr)
         return 2

@@ -7,11 +7,18 @@ keeps all of them: one per SAVE_INTERVAL over the run, and the last. KEEP_EVERY=
 --keep-checkpoints-every) keeps besides those every checkpoint of an iteration that is a multiple
 of N: up to train_iters // N more (counted in full, an upper bound). A resume at another layout
 converts the newest checkpoint next to it (iter_N/universal, about one checkpoint more).
+
+What saving costs in time is said from what an earlier start of the run measured in
+CHECKPOINT_DIR: the step time (metrics.jsonl's step_time_s, the median of the last 20 logged) and
+the save time (the newest checkpoint's complete.json, save_seconds): the share of the run spent
+saving at SAVE_INTERVAL, the training a crash can lose, and the interval that costs 1%.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+import statistics
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,6 +42,20 @@ class CheckpointDisk:
     present: int  # bytes the complete checkpoints there take now (counted in `needed`)
     unknown: str = ""  # why the parameters could not be counted
     keep_every: Optional[int] = None  # KEEP_EVERY: the checkpoints of its multiples are kept too
+    step_seconds: Optional[float] = None  # measured by an earlier start (None: not yet)
+    save_seconds: Optional[float] = None
+
+    def timing(self) -> str:
+        """What saving every SAVE_INTERVAL iterations costs, from the measured times."""
+        if self.step_seconds is None or self.save_seconds is None:
+            return ("step and save times not measured yet (a start of the run records them: metrics.jsonl's "
+                    "step_time_s, each checkpoint's complete.json save_seconds)")
+        between = self.save_interval * self.step_seconds
+        share = 100 * self.save_seconds / (between + self.save_seconds)
+        one_percent = max(1, math.ceil(99 * self.save_seconds / self.step_seconds))  # save / (n step + save) = 1%
+        return (f"a step took {self.step_seconds:.3g} s and a save {self.save_seconds:.3g} s (measured in "
+                f"CHECKPOINT_DIR): SAVE_INTERVAL={self.save_interval} spends {share:.2g}% of the time saving, and a "
+                f"crash loses up to {_duration(between)} of training (SAVE_INTERVAL={one_percent} would spend 1%)")
 
     @property
     def needed(self) -> Optional[int]:
@@ -60,7 +81,7 @@ class CheckpointDisk:
                 f"CHECKPOINT_DIR, and {size} more while a resume at another layout converts one")
         if self.free is not None:
             line += f"; {format_bytes(self.free)} free there now"
-        return line
+        return line + "; " + self.timing()
 
     def shortfall(self) -> Optional[str]:
         """A warning when the filesystem cannot hold what the run needs (free + what its checkpoints
@@ -70,6 +91,36 @@ class CheckpointDisk:
         return (f"warning: CHECKPOINT_DIR has {format_bytes(self.free)} free and its checkpoints take "
                 f"{format_bytes(self.present)}, but the run needs about {format_bytes(self.needed)}: a save that "
                 "cannot fit stops the run (lower KEEP_CHECKPOINTS or free space)")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else \
+        f"{seconds / 3600:.1f} h"
+
+
+def measured_times(checkpoint_dir: str, newest: Optional[str]) -> tuple[Optional[float], Optional[float]]:
+    """(step seconds, save seconds) an earlier start of the run measured, each None when absent."""
+    steps = []
+    try:
+        with open(os.path.join(checkpoint_dir, "metrics.jsonl"), encoding="utf-8") as f:
+            for line in f:
+                try:
+                    value = json.loads(line).get("step_time_s")
+                except (json.JSONDecodeError, AttributeError):
+                    continue  # the line being written, or not a record
+                if isinstance(value, (int, float)) and value > 0:
+                    steps.append(float(value))
+    except OSError:
+        pass
+    save = None
+    if newest:
+        try:
+            with open(os.path.join(checkpoint_dir, newest, "complete.json"), encoding="utf-8") as f:
+                value = json.load(f).get("save_seconds")
+            save = float(value) if isinstance(value, (int, float)) else None
+        except (OSError, json.JSONDecodeError, AttributeError):
+            pass
+    return (statistics.median(steps[-20:]) if steps else None), save
 
 
 def plan_checkpoint_disk(args, *, keep: int, checkpoint_dir: str, bf16: bool,
@@ -95,9 +146,10 @@ def plan_checkpoint_disk(args, *, keep: int, checkpoint_dir: str, bf16: bool,
         None if parameters is None else parameters * per_parameter)
     saves = math.ceil(args.train_iters / args.save_interval)  # every SAVE_INTERVAL, and the last iteration
     free = free_bytes(checkpoint_dir) if checkpoint_dir else None
+    step_seconds, save_seconds = measured_times(checkpoint_dir, newest) if checkpoint_dir else (None, None)
     return CheckpointDisk(parameters=parameters, bytes_per_parameter=per_parameter, checkpoint_bytes=size,
                           newest=newest, keep=keep, keep_every=keep_every,
                           held=min(keep + 1 + (args.train_iters // keep_every if keep_every else 0), saves) if keep
                           else saves,
                           train_iters=args.train_iters, save_interval=args.save_interval, free=free, present=present,
-                          unknown=unknown)
+                          unknown=unknown, step_seconds=step_seconds, save_seconds=save_seconds)
