@@ -487,6 +487,58 @@ def test_lm_eval_runs_offline_on_local_tasks(tmp_path, lev_exports, monkeypatch)
     assert "| lambada_openai / perplexity |" in markdown and "| piqa / acc |" in markdown
 
 
+def test_lm_eval_on_a_tied_and_a_materialised_export(tmp_path, lev_run, lev_exports, tiny_dataset, spm_tokenizer,
+                                                     monkeypatch):
+    """The two exports without remote code go through lm-eval too: a tied run's (a plain
+    LlamaForCausalLM, tied weights) scores what its model computes by hand, and LEV's materialised
+    export (the generated table as a Llama embedding) scores what the LEV export scores, example
+    by example."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_lev.evaluation import downstream
+    from megatron_lev.hf.export import export_checkpoint
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    save = tmp_path / "tied"
+    torchrun(["-m", "megatron_lev.train", "--config", "tiny-tied", "--data-path", tiny_dataset, "--split", SPLIT,
+              "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", spm_tokenizer, "--save", save,
+              "--train-iters", "4", "--save-interval", "4", "--eval-interval", "100", "--eval-iters", "1",
+              "--log-interval", "1"], nproc=1)
+    tied = export_checkpoint(str(save), str(tmp_path / "hf_tied"), dtype="fp32")
+    materialised = export_checkpoint(lev_run, str(tmp_path / "hf_lev_table"), iteration=4, dtype="fp32",
+                                     materialize=True)
+    for folder in (tied, materialised):
+        assert json.load(open(os.path.join(folder, "config.json")))["architectures"] == ["LlamaForCausalLM"]
+    piqa = [{"goal": "def f", "sol1": "return x", "sol2": "import y", "label": 0},
+            {"goal": "for i in", "sol1": "range(3):", "sol2": "the mat", "label": 0},
+            {"goal": "class A", "sol1": "(object):", "sol2": "print", "label": 1}]
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "piqa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in piqa))
+    result = downstream.main(["--model", f"lev={lev_exports['iter4']}", "--model", f"table={materialised}",
+                              "--model", f"tied={tied}", "--baseline", "tied", "--tasks", "piqa", "--data-dir",
+                              str(data_dir), "--device", "cpu", "--dtype", "float32", "--batch-size", "2",
+                              "--log-samples", "--output-dir", str(tmp_path / "out")])
+    models = result["models"]
+    lls = {name: {s["doc_id"]: [r[0][0] for r in s["resps"]] for s in models[name]["samples"]["piqa"]}
+           for name in models}
+    for doc in range(len(piqa)):
+        np.testing.assert_allclose(lls["table"][doc], lls["lev"][doc], atol=1e-5)
+    assert models["table"]["tasks"]["piqa"]["acc"] == models["lev"]["tasks"]["piqa"]["acc"]
+    model = AutoModelForCausalLM.from_pretrained(tied, dtype=torch.float32).eval()
+    assert model.config.tie_word_embeddings and model.lm_head.weight.data_ptr() == \
+        model.model.embed_tokens.weight.data_ptr()
+    tokenizer = AutoTokenizer.from_pretrained(tied)
+    by_hand = [[loglikelihood(model, tokenizer, f"Question: {d['goal']}\nAnswer:", " " + d[s])[0]
+                for s in ("sol1", "sol2")] for d in piqa]
+    for doc, expected in enumerate(by_hand):
+        np.testing.assert_allclose(lls["tied"][doc], expected, atol=1e-4)
+    assert models["tied"]["tasks"]["piqa"]["acc"] == pytest.approx(
+        np.mean([int(np.argmax(ll) == d["label"]) for ll, d in zip(by_hand, piqa)]), abs=1e-9)
+    assert models["tied"]["tasks"]["piqa"]["acc_stderr"] >= 0
+
+
 def test_export_task_data_round_trips(tmp_path):
     """--export-data writes the scored split's raw rows; here from a local task, so offline."""
     from lm_eval.tasks import TaskManager
