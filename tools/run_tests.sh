@@ -26,4 +26,9 @@ fi
 py=$(env EXTRAS=test bash "$repo/tools/setup_env.sh" | tail -n 1)
 cd "$repo"
 export DS_ACCELERATOR=cpu
+# One intra-op thread per process: the tests are many small processes (2-rank groups, trainers,
+# Slurm jobs) on a 2-core machine, where a second torch thread only waits on the other process's
+# core. Measured: tests/test_capacity.py's fit took 586 s with 2 threads beside one busy core, 15 s
+# with 1. Set OMP_NUM_THREADS to override.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "$py" -m pytest -q -p no:cacheprovider tests "$@"
