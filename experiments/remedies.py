@@ -46,30 +46,30 @@ RATES = ("5e-4", "1e-3", "2e-3", "4e-3", "8e-3")  # the bracket's order; the pla
 AHEAD_BY = 0.017  # plain LEV's seed spread (the plan's rule)
 
 
-def collect(runs_dirs: list[str]) -> dict:
-    """{(name, rate): {seed: {"loss", "at", ...}}} of every collected run in the folders, the first
-    folder winning for a name it holds."""
+def collect(runs_dirs: list[str], rates: tuple = RATES) -> dict:
+    """{(name, rate): {seed: {"loss", "at", ...}}} of every collected run in the folders at one of
+    `rates`, the first folder winning for a name it holds."""
     found = {}
     for runs in runs_dirs:
         for entry in sorted(os.listdir(runs)):
             stem, _, seed = entry.rpartition("-s")
             name, _, rate = stem.rpartition("-lr")
             path = os.path.join(runs, entry)
-            if rate in RATES and os.path.isfile(os.path.join(path, "evaluation.json")):
+            if rate in rates and os.path.isfile(os.path.join(path, "evaluation.json")):
                 found.setdefault((name, rate), {}).setdefault(
                     seed, {"loss": evaluator_loss(path), **embedding_statistics(path), "path": path})
     return found
 
 
-def best_rate(found: dict, name: str) -> tuple:
-    """(rate, closed): the rate of the lowest seed-1 loss; `closed` when both neighbours in RATES
-    ran (or the best is 2e-3 with 1e-3 and 4e-3 run)."""
-    ran = {rate: found[(name, rate)]["1"]["loss"] for rate in RATES if "1" in found.get((name, rate), {})}
+def best_rate(found: dict, name: str, rates: tuple = RATES) -> tuple:
+    """(rate, closed): the rate of the lowest seed-1 loss; `closed` when both its neighbours in
+    `rates` (ascending) ran."""
+    ran = {rate: found[(name, rate)]["1"]["loss"] for rate in rates if "1" in found.get((name, rate), {})}
     if not ran:
         return None, False
     rate = min(ran, key=ran.get)
-    i = RATES.index(rate)
-    closed = all(RATES[j] in ran for j in (i - 1, i + 1) if 0 <= j < len(RATES)) and 0 < i < len(RATES) - 1
+    i = rates.index(rate)
+    closed = all(rates[j] in ran for j in (i - 1, i + 1) if 0 <= j < len(rates)) and 0 < i < len(rates) - 1
     return rate, closed
 
 

@@ -69,3 +69,37 @@ def test_each_option_takes_its_best_rate_and_its_bracket_is_open_until_both_neig
     assert best_rate(found(**{"1e_3": 4.1, "2e_3": 4.0, "4e_3": 3.9, "8e_3": 3.95}), "x") == ("4e-3", True)
     assert best_rate(found(**{"2e_3": 4.0, "4e_3": 3.9, "8e_3": 3.8}), "x") == ("8e-3", False)
     assert best_rate(found(**{"5e_4": 3.7, "1e_3": 3.8, "2e_3": 4.0}), "x") == ("5e-4", False)
+
+
+def _remedy_widths():
+    spec = importlib.util.spec_from_file_location("remedy_widths", os.path.join(REPO, "experiments",
+                                                                                 "remedy_widths.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_widths_table_is_what_the_docs_quote_and_its_differences_are_the_runs(tmp_path):
+    """experiments/remedy_widths.py: the table docs/experiments.md quotes, rebuilt from the committed
+    runs; each difference is the two runs' own evaluator losses at the same seed."""
+    result = _remedy_widths().main(["--runs", RUNS, "--baseline-runs", BASELINE_RUNS, "--output", str(tmp_path)])
+    table = (tmp_path / "remedy_widths.md").read_text()
+    with open(os.path.join(REPO, "docs", "experiments.md")) as f:
+        assert table.strip() in f.read(), "docs/experiments.md does not quote experiments/remedy_widths.py's table"
+    with open(os.path.join(os.path.dirname(RUNS), "remedy_widths.md")) as f:
+        assert f.read() == table
+    for width in result["widths"]:
+        rows = {r["label"]: r for r in width["rows"]}
+        plain = rows["plain LEV (issue 42)"]
+        assert plain["loss"] == {s: _loss(BASELINE_RUNS, f"{plain['run']}-s{s}") for s in plain["seeds"]}
+        centred = rows.get("centred modes")
+        if centred is None:
+            continue
+        # The rate is the best seed-1 loss of the bracket that ran.
+        assert centred["seed1_by_rate"][centred["rate"]] == min(centred["seed1_by_rate"].values())
+        for against, other in (("plain LEV", plain), ("frozen random table", rows.get("frozen random table"))):
+            if other is None:
+                continue
+            expected = {s: _loss(RUNS, f"{centred['run']}-s{s}") - other["loss"][s]
+                        for s in centred["seeds"] if s in other["loss"]}
+            assert width["centred_minus"][against]["per_seed"] == pytest.approx(expected, abs=1e-12)
