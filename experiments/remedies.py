@@ -122,10 +122,14 @@ def main(argv=None) -> dict:
                         help="plain LEV's other seeds (lev-lr2e-3-s2, -s3)")
     parser.add_argument("--output", default=os.path.join(results, "issue49", "v8000"))
     args = parser.parse_args(argv)
-    result = build(args.runs, args.baseline_runs)
-    write_json_atomic(os.path.join(args.output, "remedies.json"), result)
-    table = markdown(result)
-    write_text_atomic(os.path.join(args.output, "remedies.md"), table)
+    return write_results(args.output, "remedies", build(args.runs, args.baseline_runs), markdown)
+
+
+def write_results(output: str, stem: str, result: dict, to_markdown) -> dict:
+    """OUTPUT/STEM.json and OUTPUT/STEM.md (its table, also printed), each written atomically."""
+    write_json_atomic(os.path.join(output, f"{stem}.json"), result)
+    table = to_markdown(result)
+    write_text_atomic(os.path.join(output, f"{stem}.md"), table)
     print(table)
     return result
 

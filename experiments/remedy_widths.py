@@ -19,11 +19,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from remedies import REPO, best_rate, collect  # noqa: E402
+from remedies import REPO, best_rate, collect, write_results  # noqa: E402
 from screen import STAT_STEPS, _f, mean_statistics, statistics_cells  # noqa: E402
 
 from megatron_lev.evaluation.seeds import holm, paired_t_test  # noqa: E402
-from megatron_lev.utils.files import write_json_atomic, write_text_atomic  # noqa: E402
 
 RATES = ("5e-4", "1e-3", "2e-3", "4e-3", "8e-3", "1.6e-2", "3.2e-2")  # ascending: a bracket's neighbours
 PLAIN_LEV = {"64": "8e-3", "256": "2e-3"}  # issue 42's rate for plain LEV at each width (its three seeds)
@@ -108,12 +107,7 @@ def main(argv=None) -> dict:
                         help="plain LEV at widths 64 and 256 (lev-w64-lr8e-3-s1..3, lev-w256-lr2e-3-s1..3)")
     parser.add_argument("--output", default=os.path.join(results, "issue49", "v8000"))
     args = parser.parse_args(argv)
-    result = build(args.runs, args.baseline_runs)
-    write_json_atomic(os.path.join(args.output, "remedy_widths.json"), result)
-    table = markdown(result)
-    write_text_atomic(os.path.join(args.output, "remedy_widths.md"), table)
-    print(table)
-    return result
+    return write_results(args.output, "remedy_widths", build(args.runs, args.baseline_runs), markdown)
 
 
 if __name__ == "__main__":
