@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import hashlib
 import json
@@ -156,7 +157,9 @@ def kernel_tests(device, tiny: bool) -> dict:
 
 def fused_vs_pytorch(config: str, micro_batch: int, seq: int, device) -> dict:
     """lev-1.2b's LEV embedding (float32 parameters) on one Zipf micro-batch: fused kernels
-    against the PyTorch path (output, every generator gradient), and each path's time."""
+    against the PyTorch path (output, every generator gradient), and each path's time; then the
+    fused path with `matmul_dtype: bfloat16` (W_seed and W_out on the tensor cores), its time and
+    its distance from float32, recorded for choosing that option's default (not a rule)."""
     from megatron_lev.configs import load_config
     from megatron_lev.lev import generator as lev
     from megatron_lev.lev import dispatch as lev_dispatch
@@ -169,10 +172,12 @@ def fused_vs_pytorch(config: str, micro_batch: int, seq: int, device) -> dict:
     batch = bench_train.as_inputs(window, device, cfg.vocab_size)
     upstream = torch.randn(seq, micro_batch, cfg.hidden_size, generator=torch.Generator().manual_seed(6)).to(device)
     results, devices = {}, lev_dispatch.FUSED_MODES_DEVICES
-    for path, fused_devices in (("fused", ("cuda", "cpu")), ("pytorch", ())):
+    for path, fused_devices, matmul_dtype in (("fused", ("cuda", "cpu"), "float32"), ("pytorch", (), "float32"),
+                                              ("fused_bf16_matmul", ("cuda", "cpu"), "bfloat16")):
         lev_dispatch.FUSED_MODES_DEVICES = fused_devices
         try:
-            module = ParallelLEVEmbedding(cfg, init_seed=1234, device=device)
+            module = ParallelLEVEmbedding(dataclasses.replace(cfg, matmul_dtype=matmul_dtype), init_seed=1234,
+                                          device=device)
             if path == "fused" and not lev_dispatch.uses_fused_modes(device):
                 lev_dispatch.FUSED_MODES_DEVICES = devices
                 return {"skipped": f"no fused path on {device.type} (Triton's interpreter is off)", "ok": True}
@@ -201,9 +206,14 @@ def fused_vs_pytorch(config: str, micro_batch: int, seq: int, device) -> dict:
     result = {"distinct_ids": int(batch["lev_ids"].numel()), "tokens": micro_batch * seq,
               "relative_max_diffs": diffs, "tolerance": FUSED_VS_PYTORCH_TOLERANCE,
               "fused_ms": fused["ms"], "pytorch_ms": pytorch["ms"], "fused_failure": lev_dispatch.fused_modes_failure}
+    bf16 = results["fused_bf16_matmul"]
+    result.update(bf16_matmul_ms=bf16["ms"], bf16_matmul_relative_max_diffs={
+        "output": relative(bf16["out"], pytorch["out"]),
+        **{name: relative(bf16["grads"][name], pytorch["grads"][name]) for name in pytorch["grads"]}})
     result["ok"] = lev_dispatch.fused_modes_failure is None and max(diffs.values()) <= FUSED_VS_PYTORCH_TOLERANCE
     log(f"fused vs PyTorch LEV ({result['distinct_ids']} distinct ids): worst {max(diffs.values()):.1e}, "
-        f"{fused['ms']:.1f} vs {pytorch['ms']:.1f} ms forward + backward")
+        f"{fused['ms']:.1f} vs {pytorch['ms']:.1f} ms forward + backward; bf16 W_seed/W_out {bf16['ms']:.1f} ms, "
+        f"output {result['bf16_matmul_relative_max_diffs']['output']:.1e} from float32")
     return result
 
 

@@ -337,6 +337,7 @@ def test_rehearsal_of_the_first_gpu_call(tmp_path):
     assert kernels["plugin_autoload_disabled"] and kernels["pytest"] == report["environment"]["pytest"]
     fused = report["fused_vs_pytorch"]
     assert 0 < max(fused["relative_max_diffs"].values()) <= fused["tolerance"] and fused["fused_failure"] is None
+    assert 0 < fused["bf16_matmul_relative_max_diffs"]["output"] < 0.1 and fused["bf16_matmul_ms"] > 0
     gemm = report["gemm_ceiling"]
     assert gemm["size"] == 256 and gemm["tflops"] == 2 * 256 ** 3 / gemm["seconds_median"] / 1e12
 

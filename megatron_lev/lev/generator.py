@@ -20,6 +20,8 @@ LEV_SPEC.md section 1):
             count); `center_modes` M_l[q] - c[l, q], c learned, initialised to the mean mode
             over `calibration_ids` (`grouped_modes`: plain autograd, the PyTorch path everywhere);
 6. output   `e = sum_l M_l @ w_out[l]`                                         [D]
+            (steps 3 and 6's matmuls in float32; option `matmul_dtype: bfloat16` rounds
+            their operands to bfloat16: `dense_product`)
 7. option   `output_norm`: `e = g * e / rms(e)` (RMSNorm, learned gain g)      [D]
 
 This file is torch-only on purpose: the Hugging Face export copies it verbatim beside
@@ -51,7 +53,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .lev_config import (DIGIT_ORDERS, HEAD_SHARDED_PARAMETERS, MODE_PRODUCTS,  # noqa: F401  (re-exported)
+from .lev_config import (DIGIT_ORDERS, HEAD_SHARDED_PARAMETERS, MATMUL_DTYPES, MODE_PRODUCTS,  # noqa: F401
                          REPLICATED_PARAMETERS, LEVConfig, smallest_base)
 
 # Rows are evaluated in multiples of this many (padded with id 0). BLAS libraries pick different
@@ -370,7 +372,7 @@ def seed_modes(config: LEVConfig, params: dict[str, torch.Tensor], z: torch.Tens
     less `mode_offset` when params has it)."""
     f32, ds = torch.float32, config.seed_dim
     h = params["w_seed"].shape[0]
-    u = (z.to(f32) @ params["w_seed"].to(f32).reshape(h * ds, ds).t()).view(-1, h, ds)
+    u = dense_product(z, params["w_seed"].reshape(h * ds, ds).t(), config.matmul_dtype).view(-1, h, ds)
     u = F.layer_norm(u, (ds,), eps=config.layernorm_eps) * params["ln_gamma"].to(f32) + params["ln_beta"].to(f32)
     x = torch.sigmoid(0.5 * u)
     if config.fused_modes:
@@ -386,6 +388,16 @@ def seed_modes(config: LEVConfig, params: dict[str, torch.Tensor], z: torch.Tens
                                       config.log_eps)
     offset = params.get("mode_offset")
     return modes if offset is None else modes - offset.to(f32)
+
+
+def dense_product(a: torch.Tensor, b: torch.Tensor, matmul_dtype: str = "float32") -> torch.Tensor:
+    """a @ b as float32 for the generator's two dense products (z @ W_seed, M @ W_out): in float32
+    (the spec), or with `matmul_dtype: bfloat16` both operands rounded to bfloat16 (tensor cores;
+    the GEMM accumulates in float32) and the product, rounded to bfloat16, returned as float32.
+    Backward follows the same casts: the gradients of both products run in bfloat16 too."""
+    if matmul_dtype == "bfloat16":
+        return (a.to(torch.bfloat16) @ b.to(torch.bfloat16)).to(torch.float32)
+    return a.to(torch.float32) @ b.to(torch.float32)
 
 
 def pad_to_row_block(ids: torch.Tensor) -> torch.Tensor:
@@ -484,7 +496,7 @@ class LEVGenerator(torch.nn.Module):
         """z [n, d_s] -> sum over this module's heads of M_l @ w_out[l], float32 [n, D]."""
         modes = seed_modes(self.config, self.mode_parameters(), z)  # [n, h, r]
         h, r = self.num_local_heads, self.config.num_modes
-        return modes.reshape(-1, h * r) @ self.w_out.to(torch.float32).reshape(h * r, -1)
+        return dense_product(modes.reshape(-1, h * r), self.w_out.reshape(h * r, -1), self.config.matmul_dtype)
 
     def forward(self, ids: torch.Tensor, seed_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                 heads_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):

@@ -14,6 +14,7 @@ HEAD_SHARDED_PARAMETERS = ("w_seed", "ln_gamma", "ln_beta", "delta", "w_out", "k
                            "mode_offset")  # mode_offset: with `center_modes` only
 REPLICATED_PARAMETERS = ("codebooks", "out_norm_weight")  # out_norm_weight: with `output_norm` only
 MODE_PRODUCTS = ("product", "geometric_mean")  # LEVConfig.mode_product
+MATMUL_DTYPES = ("float32", "bfloat16")  # LEVConfig.matmul_dtype
 
 
 def smallest_base(vocab_size: int, num_coordinates: int) -> int:
@@ -61,6 +62,9 @@ class LEVConfig:
     mode_groups: int = 1  # G: each mode the mean over G groups of d_s / G coordinates of their product
     center_modes: bool = False  # subtract a learned per-mode offset, initialised to the modes' mean over
     #                              a fixed sample of ids (calibration_ids): no shared direction at init
+    # The two dense products (W_seed, W_out) in float32 (the spec), or with both operands rounded to
+    # bfloat16 (tensor cores, float32 accumulation inside the GEMM; issue 50). Not a size field.
+    matmul_dtype: str = "float32"
 
     spec_basis = property(lambda self: self.basis_normalize and not self.knot_scale_learnable,
                           doc="The spec's basis (fixed scale, normalised): the 3-knot form, the fused kernels.")
@@ -99,6 +103,8 @@ class LEVConfig:
                 raise ValueError(f"LEVConfig.{name}={getattr(self, name)!r} must be true or false")
         if self.digit_order not in DIGIT_ORDERS:
             raise ValueError(f"LEVConfig.digit_order={self.digit_order!r} must be one of {DIGIT_ORDERS}")
+        if self.matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(f"LEVConfig.matmul_dtype={self.matmul_dtype!r} must be one of {MATMUL_DTYPES}")
         if self.mode_product not in MODE_PRODUCTS:
             raise ValueError(f"LEVConfig.mode_product={self.mode_product!r} must be one of {MODE_PRODUCTS}")
         g = self.mode_groups

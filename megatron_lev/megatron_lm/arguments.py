@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_lev.lev.generator import DIGIT_ORDERS, MODE_PRODUCTS, LEVConfig
+from megatron_lev.lev.generator import DIGIT_ORDERS, MATMUL_DTYPES, MODE_PRODUCTS, LEVConfig
 from megatron_lev.models.config import MODEL_FIELDS
 from megatron_lev.models.settings import model_section_from_megatron_args
 
 MODEL_OWNED = ("vocab_size", "hidden_size")  # LEV fields set by the model's own flags
-CHOICES = {"digit_order": DIGIT_ORDERS, "mode_product": MODE_PRODUCTS}  # LEV's string fields
+CHOICES = {"digit_order": DIGIT_ORDERS, "mode_product": MODE_PRODUCTS, "matmul_dtype": MATMUL_DTYPES}  # LEV's string fields
 
 
 def lev_fields() -> list[dataclasses.Field]:

@@ -112,7 +112,7 @@ class ModelShape:
 # LEVConfig's fields that do not change its size.
 LEV_OTHER_FIELDS = {"init_std", "delta_init_std", "layernorm_eps", "log_eps", "digit_order", "unique_ids",
                     "init_embedding_rms", "init_remove_shared", "ln_gain_init", "output_norm_init",
-                    "basis_normalize", "mode_product", "mode_groups"}
+                    "basis_normalize", "mode_product", "mode_groups", "matmul_dtype"}
 SHAPE_FIELDS = {"embedding", "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
                 "num_query_groups", "kv_channels", "ffn_hidden_size", "make_vocab_size_divisible_by",
                 "embedding_rank", "freeze_input_embedding", "qk_layernorm", "lev"}
