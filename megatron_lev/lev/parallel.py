@@ -92,15 +92,25 @@ class ParallelLEVEmbedding(MegatronModule):
             self.generator.out_norm_weight.sequence_parallel = True
 
     def forward(self, input_ids: torch.Tensor, lev_ids: Optional[torch.Tensor] = None,
-                lev_inverse: Optional[torch.Tensor] = None) -> torch.Tensor:
+                lev_inverse: Optional[torch.Tensor] = None, lev_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`lev_ids` [n] and `lev_inverse` [b, s] (input_ids == lev_ids[lev_inverse]): the
         distinct ids, range-checked by the data loader on CPU (datasets.collate_pretraining_batch),
         so the step needs no `unique` and no host synchronisation. Without them the ids are
-        found here (one `unique` and one min/max read, which synchronise on CUDA)."""
+        found here (one `unique` and one min/max read, which synchronise on CUDA).
+
+        `lev_rows` [n, D]: embedding rows already computed by `rows` (--lev-union-ids: the
+        generator ran once on the union of a step's micro-batches' ids, training/union_ids.py);
+        `lev_inverse` then indexes them, and the generator does not run here."""
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"LEV embedding expects int64/int32 token ids of shape [batch, seq], "
                              f"got {input_ids.dtype} {tuple(input_ids.shape)}")
         batch, seq = input_ids.shape
+        if lev_rows is not None:
+            if lev_inverse is None or lev_inverse.shape != input_ids.shape:
+                raise ValueError(f"lev_rows needs lev_inverse of the shape of input_ids {tuple(input_ids.shape)}")
+            if self.sequence_parallel and self.tp_size > 1:
+                raise ValueError("lev_rows: not with sequence parallelism (its rows are reduce-scattered per position)")
+            return self._to_positions(lev_rows.to(self.params_dtype), lev_inverse, batch, seq)
         if self.sequence_parallel and self.tp_size > 1:
             if input_ids.device.type != "cuda":
                 raise RuntimeError("--sequence-parallel LEV embedding needs CUDA (its reduce-scatter is not "
@@ -128,9 +138,15 @@ class ParallelLEVEmbedding(MegatronModule):
         # Without SP, sum the partials over TP before the gather: the same numbers as
         # reducing the [s, b, D] output (the gather only copies rows), with traffic the
         # size of the distinct ids rather than of the micro-batch.
+        return self._to_positions(self.rows(ids).to(self.params_dtype), inverse, batch, seq)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Distinct ids [n] (range-checked) -> their embeddings [n, D], whole over TP, in the
+        generator's output dtype (float32, or params_dtype after a TP reduction without
+        output_norm); not with sequence parallelism."""
+        seed_hook = self._copy_to_tensor_parallel if self.tp_size > 1 else None
         heads_hook = self._reduce_from_tensor_parallel if self.tp_size > 1 else None
-        rows = self.generator(ids, seed_hook=seed_hook, heads_hook=heads_hook).to(self.params_dtype)
-        return self._to_positions(rows, inverse, batch, seq)
+        return self.generator(ids, seed_hook=seed_hook, heads_hook=heads_hook)
 
     def _copy_to_tensor_parallel(self, z: torch.Tensor) -> torch.Tensor:
         return copy_to_tensor_model_parallel_region(z, group=self.tp_group)

@@ -81,7 +81,8 @@ class LeviathanModel(MegatronModule):
     """The full decoder (one pipeline stage holds all of it; see models/pipeline.py for PP>1).
 
     forward(input_ids [b, s], position_ids [b, s] = arange, labels [b, s], loss_mask [b, s],
-            lev_ids [n], lev_inverse [b, s]: LEV's distinct ids from the data loader):
+            lev_ids [n], lev_inverse [b, s]: LEV's distinct ids from the data loader;
+            lev_rows [n, D]: their embeddings already computed, --lev-union-ids):
       with labels: the float32 scalar loss (masked mean over this micro-batch's tokens);
       without: vocab-parallel logits [b, s, padded_vocab_size / TP] (padding at -inf);
       `gather_logits` turns those into full [b, s, vocab_size].
@@ -101,10 +102,11 @@ class LeviathanModel(MegatronModule):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None,
-                lev_ids: Optional[torch.Tensor] = None, lev_inverse: Optional[torch.Tensor] = None):
+                lev_ids: Optional[torch.Tensor] = None, lev_inverse: Optional[torch.Tensor] = None,
+                lev_rows: Optional[torch.Tensor] = None):
         cfg = self.config
         if cfg.embedding == "lev":  # the loader's distinct ids, if it sent them (no sync)
-            hidden = self.embedding(input_ids, lev_ids, lev_inverse)  # [s, b, H]
+            hidden = self.embedding(input_ids, lev_ids, lev_inverse, lev_rows)  # [s, b, H]
         else:
             hidden = self.embedding(input_ids)
         if position_ids is None:

@@ -42,9 +42,7 @@ TRAINING_DEFAULTS = {
     "min_lr": 0.0,
     "decoupled_lr": None,
     "decoupled_min_lr": None,
-    "lev_lr_mult": 1.0,
-    "lev_clip_grad": None,
-    "lev_no_weight_decay": False,
+    "lev_lr_mult": 1.0, "lev_clip_grad": None, "lev_no_weight_decay": False, "lev_union_ids": False,
     "lr_warmup_iters": 0,
     "lr_warmup_samples": 0,
     "lr_warmup_fraction": None,
@@ -157,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lev-no-weight-decay", action=argparse.BooleanOptionalAction,
                    help="no weight decay on the LEV generator's parameters, as its author trains it (default: "
                         "--weight-decay on its matrices; docs/lev.md, The author's training)")
+    g.add_argument("--lev-union-ids", action=argparse.BooleanOptionalAction, help="the LEV generator once per step, on "
+                   "the union of its micro-batches' distinct ids (same losses and gradients to float32 rounding; no "
+                   "change with one micro-batch per step; untimed on a GPU, default off; docs/training.md)")
     g.add_argument("--lr-warmup-iters", type=int)
     g.add_argument("--lr-warmup-samples", type=int)
     g.add_argument("--lr-warmup-fraction", type=float, help="warmup as a fraction of the decay length")
@@ -396,7 +397,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ConfigError(f"--lev-clip-grad must be a finite number >= 0, got {args.lev_clip_grad}")
     embedding = args.model.get("embedding")
     for flag, on in (("--lev-lr-mult", args.lev_lr_mult != 1.0), ("--lev-clip-grad", args.lev_clip_grad is not None),
-                     ("--lev-no-weight-decay", args.lev_no_weight_decay)):
+                     ("--lev-no-weight-decay", args.lev_no_weight_decay), ("--lev-union-ids", args.lev_union_ids)):
         if on and embedding != "lev":
             raise ConfigError(f"{flag}: the model has no LEV generator (embedding: {embedding})")
     _schedule_in_samples(args)

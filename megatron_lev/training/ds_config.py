@@ -116,6 +116,7 @@ def build_deepspeed_config(args) -> dict:
         check_lev_clip_grad(args, cfg, stage, path)
         # The trainer clips the LEV generator and the rest apart (training/clipping.py): DeepSpeed must not.
         _fill(cfg, "gradient_clipping", 0.0, "--lev-clip-grad (the trainer clips each family itself)", path)
+    check_lev_union_ids(args, stage)
     bf16 = cfg.setdefault("bf16", {})
     _fill(bf16, "enabled", bool(args.bf16), "--bf16", path)
     # DeepSpeed reduces gradients in the model dtype unless told otherwise: bf16 all-reduces would
@@ -140,6 +141,26 @@ def check_lev_clip_grad(args, cfg: dict, stage: int, path) -> None:
         reason = f"optimizer offload ({path})"
     if reason:
         raise ConfigError(f"--lev-clip-grad {args.lev_clip_grad}: not supported with {reason}")
+
+
+def check_lev_union_ids(args, stage: int) -> None:
+    """--lev-union-ids works where the trainer runs the micro-batches itself, on the whole batch's
+    rows (training/union_ids.py)."""
+    if not getattr(args, "lev_union_ids", False):
+        return
+    reason = None
+    if args.pipeline_model_parallel_size > 1:
+        reason = (f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} (DeepSpeed's pipeline "
+                  f"schedule runs the micro-batches)")
+    elif stage == 3:
+        reason = ("ZeRO-3 (its parameter gathering around each module call gave other gradients from the "
+                  "second step on, on CPU); use --zero-stage 1 or 2")
+    elif args.sequence_parallel:
+        reason = "--sequence-parallel (the generator's rows are reduce-scattered per micro-batch's positions)"
+    elif (args.model.get("lev") or {}).get("unique_ids", True) is False:
+        reason = "model.lev.unique_ids false (the generator evaluated per position)"
+    if reason:
+        raise ConfigError(f"--lev-union-ids: not supported with {reason}")
 
 
 def offloads_optimizer(ds_config: dict) -> bool:

@@ -94,4 +94,4 @@ TRAIN_OWN_FLAGS = ("--config", "--zero-stage", "--train-tokens", "--keep-last-ch
                    "--gpu-type", "--peak-tflops", "--max-skipped-steps", "--embedding",
                    "--freeze-input-embedding", "--embedding-rank", "--lev-init-from", "--compile-layers",
                    "--override-checkpoint-args", "--trust-remote-code", "--lev-lr-mult", "--lev-clip-grad",
-                   "--lev-no-weight-decay")
+                   "--lev-no-weight-decay", "--lev-union-ids")

@@ -34,6 +34,7 @@ from megatron_lev.training.engine import build_engine, poison_nonfinite
 from megatron_lev.training.flops import flops_model, peak_flops_per_device, training_flops
 from megatron_lev.training.metrics import MetricsWriter
 from megatron_lev.training.timers import STEP, StepTimers, straggler_line_fields
+from megatron_lev.training.union_ids import UnionIds
 from megatron_lev.training.validation import Run, check_resume
 
 EXIT_OK, EXIT_SKIPPED_STEPS, EXIT_CONFIG = 0, 1, 2
@@ -134,6 +135,7 @@ class Trainer:
         self.flops_model = flops_model(model_config, args.seq_length)
         self.peak_flops = peak_flops_per_device(args.gpu_type, args.peak_tflops)
         self.count_distinct = model_config.embedding == "lev"
+        self.union_ids = bool(getattr(args, "lev_union_ids", False))  # start-up validation refused the rest
         self.lev_vocab_size = model_config.vocab_size if self.count_distinct else None
         self.last_saved: Optional[int] = None
         self.startup = None  # the StartupTimer of train.py: the first log line's time to first step
@@ -178,7 +180,8 @@ class Trainer:
     def train_step(self, batches: Iterator[dict]) -> tuple[torch.Tensor, int]:
         """One optimizer step over gradient_accumulation_steps micro-batches.
 
-        Returns (this rank's mean micro-batch loss, distinct ids seen by this rank)."""
+        Returns (this rank's mean micro-batch loss, distinct ids seen by this rank: with
+        --lev-union-ids those of the step's union, which the generator evaluates)."""
         engine, timers = self.engine, self.timers
         if self.is_pipeline:  # the schedule's instructions are timed inside (timers.install)
             pipe_batches = PipelineBatches(batches)
@@ -186,21 +189,30 @@ class Trainer:
                 loss = engine.train_batch(data_iter=pipe_batches)
             return loss.detach().float(), pipe_batches.distinct
         engine.train()
+        count, union = self.args.gradient_accumulation_steps, None
+        if self.union_ids and count > 1:  # --lev-union-ids: the generator once, on the step's union
+            with timers("forward-backward").timing():
+                with timers("batch-generator").timing():
+                    micro = [next(batches) for _ in range(count)]
+                with timers("forward-compute").timing():
+                    union = UnionIds(engine.module.embedding, micro)
+            batches = iter(micro)
         losses, distinct = [], 0
-        for _ in range(self.args.gradient_accumulation_steps):
+        for i in range(count):
             with timers("forward-backward").timing():
                 with timers("batch-generator").timing():
                     b = next(batches)
-                if self.count_distinct:
+                if self.count_distinct and union is None:
                     distinct += distinct_count(b)
+                inputs = model_inputs(b) if union is None else {**model_inputs(b), **union.inputs(i)}
                 with timers("forward-compute").timing():
-                    loss = engine(b["tokens"], **model_inputs(b))
+                    loss = engine(b["tokens"], **inputs)
                 with timers("backward-compute").timing():
                     engine.backward(poison_nonfinite(loss))
             with timers("optimizer").timing():
                 engine.step()
             losses.append(loss.detach().float())
-        return torch.stack(losses).mean(), distinct
+        return torch.stack(losses).mean(), distinct if union is None else union.distinct
 
     def _stop_requested_locally(self) -> tuple[float, float]:
         signalled = float(self.exit_handler is not None and self.exit_handler.received is not None)
