@@ -17,7 +17,9 @@ LEV k=3, d_s=128, h=8, kappa=16, r=64):
                          the distinct ids shipped by the data loader. Traced on CPU: the
                          fused kernels' CPU implementation is replaced by a stand-in that
                          returns zeros (the counts and syncs do not depend on the values; a
-                         real interpreted launch at these shapes takes minutes).
+                         real interpreted launch at these shapes takes minutes). Also the
+                         backward kernel's grid at the distinct-id count
+                         (`fused_backward_grid`: h * d_s columns times `row_splits`).
   lev/torch_step_ids     today's CPU path and the previous CUDA path: the per-head dense-basis
                          loop, distinct ids found in the step (`unique` + a range check).
   decoder/eager          one DecoderLayer, forward and backward, eager.
@@ -102,7 +104,21 @@ def lev_part(tokens: int, seq: int) -> dict:
                                         "position_ids": torch.arange(seq)} for row in ids], cfg.vocab_size)
     use_fused_stand_in()
     result["fused_loader_ids"] = count(lambda: layer(batch["tokens"], batch["lev_ids"], batch["lev_inverse"]))
+    result["fused_backward_grid"] = backward_grid(result["distinct_ids"], cfg)
     return result
+
+
+def backward_grid(rows: int, cfg) -> dict:
+    """The fused backward's launch at `rows` distinct ids (lev/kernels.py row_splits): programs
+    and the float32 workspace of the splits' partial grad_delta (none at one split)."""
+    from megatron_lev.lev import kernels as lev_kernels
+
+    columns = cfg.num_heads * cfg.seed_dim
+    splits, rows_per_split = lev_kernels.row_splits(rows, columns)
+    workspace = splits * columns * cfg.num_knots * cfg.num_modes * 4 if splits > 1 else 0
+    return {"columns": columns, "row_splits": splits, "rows_per_split": rows_per_split,
+            "programs": columns * splits, "target_programs": lev_kernels.TARGET_BACKWARD_PROGRAMS,
+            "workspace_MB": round(workspace / 1e6, 2)}
 
 
 def decoder_part(tokens: int, seq: int, compiled: bool) -> dict:
