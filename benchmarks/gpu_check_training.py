@@ -270,6 +270,7 @@ def train_interleaved(argvs: dict, world: int, rank: int, device, steps: int, ov
     every step's loss and learning rate are recorded; with `time_lev` LEV's generator is timed
     inside lev's steps (LevTimer). Fills `into` as it goes (an interruption keeps what was
     measured); frees both engines at the end and records what that freed."""
+    from megatron_lev.models.transformer import sdpa_backend_used
     from megatron_lev.training import optim
     from megatron_lev.training.flops import flops_model
 
@@ -299,6 +300,8 @@ def train_interleaved(argvs: dict, world: int, rank: int, device, steps: int, ov
                         "deepspeed_config": args.deepspeed_config, "parameters": sum(
                             p.numel() for p in engines[kind].module.parameters()),
                         "optimizer": optimizer_record(engines[kind], fallbacks),
+                        "sdpa_backend": sdpa_backend_used(engines[kind].module, micro, seq,
+                                                          torch.bfloat16 if args.bf16 else torch.float32, device),
                         "losses": [], "lrs": [], "step_times_s": [], "distinct_ids": []}
                     aux[kind] = {"compiled_before": compiled, "flops_model": flops_model(model_config, seq)}
                     if time_lev and kind == "lev":

@@ -32,7 +32,7 @@ from megatron_lev.checkpointing.space import CheckpointSpaceError
 from megatron_lev.distributed.launch import detect_launch_env, init_distributed
 from megatron_lev.distributed.rng import set_seed
 from megatron_lev.distributed.state import destroy_parallel, initialize_model_parallel, is_rank_0, print_rank_0
-from megatron_lev.training.arguments import format_config, summarize_config
+from megatron_lev.training.run_summary import format_config, summarize_config
 from megatron_lev.training.batches import build_datasets
 from megatron_lev.training.trainer import ExitSignalHandler, Trainer, fail
 from megatron_lev.training.validation import validate_run

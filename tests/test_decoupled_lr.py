@@ -68,7 +68,7 @@ def test_decoupled_schedule_runs_between_its_own_end_points():
 
 
 def test_decoupled_flags_are_checked():
-    from megatron_lev.training.arguments import summarize_config
+    from megatron_lev.training.run_summary import summarize_config
 
     summary = summarize_config(effective_config(args_for(*SCHEDULE, "--decoupled-lr", "0.5")), "x")
     assert "lr 1 cosine -> 0.1, input side and output layer 0.5 -> 0.1, warmup 4 iterations" in summary

@@ -263,6 +263,7 @@ def assert_training_stage(training: dict, gemm: dict) -> None:
         assert len(losses) == 23 and all(0 < loss < 2 * math.log(1000) for loss in losses)
         assert k["loss_falls"] == {"first_mean": sum(losses[:3]) / 3, "last_mean": sum(losses[-3:]) / 3, "falls": True}
         assert k["optimizer"] == {"class": "torch.optim.adamw.AdamW", "fallbacks": []}
+        assert k["sdpa_backend"] in ("FLASH_ATTENTION", "MATH")  # on CPU; "auto" keeps torch's order there
         assert k["compile_fallbacks"]["decoder_layers"] == [] and k["learning_rate_problems"] == []
         times[kind] = k["step_times_s"]
         assert len(times[kind]) == 20 and len(k["warmup_step_times_s"]) == 3

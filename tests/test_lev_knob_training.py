@@ -61,7 +61,7 @@ def test_the_multiplier_scales_the_generator_schedule_alone():
 
 
 def test_bad_or_pointless_knob_flags_are_refused_in_one_line():
-    from megatron_lev.training.arguments import summarize_config
+    from megatron_lev.training.run_summary import summarize_config
     from megatron_lev.training.ds_config import build_deepspeed_config
 
     with pytest.raises(ConfigError, match=r"^--lev-lr-mult must be a finite number > 0, got 0.0$"):

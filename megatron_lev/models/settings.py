@@ -21,6 +21,10 @@ from typing import Callable, Optional
 # The input sides (`embedding`; docs/model.md, "Input sides"; models/decoder.py builds them).
 EMBEDDING_KINDS = ("lev", "tied", "untied", "factorized")
 
+# Megatron-LM's --attention-backend values (models/transformer.py maps them onto torch SDPA's
+# backends). A kernel choice of the run, not a model setting: no row below, nothing exported.
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+
 # LLaMA 3's RoPE scaling as Megatron-LM's RotaryEmbedding applies it (the factor is the setting).
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 

@@ -1,6 +1,7 @@
 """One decoder layer: pre-RMSNorm, RoPE self-attention (grouped-query optional) through
 `F.scaled_dot_product_attention(is_causal=True)`, and a SwiGLU MLP; no biases anywhere.
-`compile_decoder_layers` compiles each layer with torch.compile (torchtitan's per-block way)."""
+`compile_decoder_layers` compiles each layer with torch.compile (torchtitan's per-block way);
+`set_attention_backend` picks SDPA's backends (Megatron-LM's --attention-backend)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,10 +12,39 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron_lev.distributed.rng import get_rng_tracker
 from megatron_lev.models.config import LeviathanConfig
 from megatron_lev.models.layers import ColumnLinear, RMSNorm, RowLinear, apply_rotary, checkpoint, init_rng
+from megatron_lev.models.settings import ATTENTION_BACKENDS
+
+
+# Megatron-LM's --attention-backend values (ATTENTION_BACKENDS), as torch SDPA's backends in priority order. Megatron's
+# "fused" is Transformer Engine's cuDNN attention; "unfused" and "local" compute softmax(QK^T)V
+# plainly (SDPA's math backend); "flash" is flash attention.
+_NAMED_BACKENDS = {"flash": (SDPBackend.FLASH_ATTENTION,), "fused": (SDPBackend.CUDNN_ATTENTION,),
+                   "unfused": (SDPBackend.MATH,), "local": (SDPBackend.MATH,)}
+# "auto" on Hopper and later: cuDNN's attention first (reported 1.7-2.3x faster than flash for
+# training shapes there; not yet timed by this project), then torch's own order. Where cuDNN
+# cannot take the inputs, SDPA goes down the list.
+HOPPER_PRIORITY = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                   SDPBackend.MATH)
+
+
+def sdpa_backends(name: str, device: torch.device) -> tuple | None:
+    """The SDPA backends `--attention-backend name` allows on `device`, in priority order, or None
+    (torch's own choice: "auto" before Hopper and off CUDA)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend {name!r}: must be one of {', '.join(ATTENTION_BACKENDS)}")
+    device = torch.device(device)
+    if name == "fused" and device.type != "cuda":
+        raise ValueError(f"--attention-backend fused: cuDNN attention needs CUDA (this run is on {device.type})")
+    if name != "auto":
+        return _NAMED_BACKENDS[name]
+    if device.type == "cuda" and torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(device)[0] >= 9:
+        return HOPPER_PRIORITY
+    return None
 
 
 class SelfAttention(torch.nn.Module):
@@ -35,6 +65,7 @@ class SelfAttention(torch.nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=False, input_is_parallel=True,
             skip_bias_add=True)
+        self.sdpa_backends = None  # torch's own order until set_attention_backend
         self.recompute_core_attention = (config.recompute_granularity == "selective"
                                          and "core_attn" in (config.recompute_modules or []))
         if config.qk_layernorm:  # RMSNorm of each query and key head (megatron-core's q/k_layernorm)
@@ -79,7 +110,9 @@ class SelfAttention(torch.nn.Module):
         p = self.config.attention_dropout if self.training else 0.0
         # Dropout draws from the model-parallel stream: each TP rank holds different heads.
         rng = get_rng_tracker().fork() if p > 0 else contextlib.nullcontext()
-        with rng:
+        backends = (sdpa_kernel(list(self.sdpa_backends), set_priority=True) if self.sdpa_backends is not None
+                    else contextlib.nullcontext())
+        with rng, backends:
             # GQA inside the kernel (query head i uses kv head i // heads_per_group, our
             # grouping): no repeat_interleave copies of k and v.
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
@@ -167,6 +200,29 @@ def compile_decoder_layers(module: torch.nn.Module) -> int:
     for layer in layers:
         layer.compile(dynamic=False)
     return len(layers)
+
+
+def set_attention_backend(module: torch.nn.Module, name: str, device: torch.device) -> tuple | None:
+    """Every attention of `module` uses SDPA's backends for `--attention-backend name` on `device`
+    (`sdpa_backends`); returns them (None: torch's own order)."""
+    backends = sdpa_backends(name, device)
+    for attention in (m for m in module.modules() if isinstance(m, SelfAttention)):
+        attention.sdpa_backends = backends
+    return backends
+
+
+def sdpa_backend_used(module: torch.nn.Module, batch: int, seq: int, dtype: torch.dtype, device) -> str:
+    """The SDPA backend that `module`'s first attention runs for a [batch, seq] micro-batch of
+    `dtype` on `device` (what torch's dispatcher picks under the layer's backends), by name."""
+    attention = next(m for m in module.modules() if isinstance(m, SelfAttention))
+    shape = (batch, attention.num_heads, seq, attention.head_dim)
+    q = torch.zeros(shape, dtype=dtype, device=device)
+    kv = torch.zeros((batch, attention.num_groups, seq, attention.head_dim), dtype=dtype, device=device)
+    backends = attention.sdpa_backends
+    with sdpa_kernel(list(backends), set_priority=True) if backends is not None else contextlib.nullcontext():
+        choice = torch._fused_sdp_choice(q, kv, kv, dropout_p=attention.config.attention_dropout, is_causal=True,
+                                         enable_gqa=attention.heads_per_group > 1)
+    return SDPBackend(choice).name
 
 
 def is_compiler_failure(exc: BaseException) -> bool:

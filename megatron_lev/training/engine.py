@@ -14,6 +14,7 @@ from megatron_lev.models.init_stats import init_statistics_line
 from megatron_lev.models.layers import start_lev_from_fit
 from megatron_lev.training.ds_config import offloads_optimizer
 from megatron_lev.training.optim import build_lr_scheduler, build_optimizer
+from megatron_lev.utils.errors import ConfigError
 from megatron_lev.utils.run_log import quiet_deepspeed
 
 
@@ -53,6 +54,18 @@ def without_inference_comm_op():
         ds_comm.build_shm_op = original
 
 
+def attention_line(module, name: str) -> None:
+    """Every attention's SDPA backends for `--attention-backend name` on the module's device, said once."""
+    from megatron_lev.models.transformer import set_attention_backend
+
+    try:
+        backends = set_attention_backend(module, name, next(module.parameters()).device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    order = ", ".join(b.name.lower() for b in backends) if backends is not None else "torch's own order"
+    print_rank_0(f"attention: torch SDPA, backends {order} (--attention-backend {name})")
+
+
 def build_engine(args, model_config, ds_config: dict, fresh_start: bool = True):
     """DeepSpeed engine over the plain model (PP = 1) or the pipeline module (PP > 1).
     `fresh_start` (no checkpoint to resume): a LEV generator starts from `model.lev_init_from`
@@ -75,6 +88,7 @@ def build_engine(args, model_config, ds_config: dict, fresh_start: bool = True):
         print_rank_0(f"LEV generator started from {model_config.lev_init_from} (model.lev_init_from)")
     if torch.cuda.is_available():
         module = module.cuda()
+    attention_line(module, getattr(args, "attention_backend", None) or "auto")
     line = init_statistics_line(module, model_config.vocab_size, model_config.embedding)
     if line is not None:  # the first pipeline stage; printed by global rank 0
         print_rank_0(line)

@@ -20,7 +20,6 @@ TRAIN_IGNORED = {
     "--untie-embeddings-and-output-weights": (0, "the config's model.embedding (lev / tied / untied / factorized) decides"),
     "--group-query-attention": (0, "--num-query-groups decides"),
     "--use-flash-attn": (0, "attention runs through torch SDPA, which picks flash attention on GPUs"),
-    "--attention-backend": (1, "attention runs through torch SDPA"),
     "--transformer-impl": (1, "the model uses its own megatron-core layers (no Transformer Engine)"),
     "--no-masked-softmax-fusion": (0, "no fused softmax kernel is used"),
     "--no-bias-gelu-fusion": (0, "no fused bias-GeLU kernel is used"),
@@ -86,6 +85,8 @@ SUPPORTED_NOTES = {
     "--qk-layernorm": "an RMSNorm of each query and key head before RoPE, as megatron-core",
     "--use-rope-scaling": "LLaMA 3's RoPE scaling, as megatron-core (exported as rope_type llama3)",
     "--kv-channels": "the head size (default hidden size / heads)",
+    "--attention-backend": "torch SDPA's backends: auto (default) prefers cuDNN's attention on Hopper and later, "
+                           "flash, fused (cuDNN's; CUDA only), unfused and local (the math backend)",
 }
 
 # Flags of megatron_lev.train that Megatron-LM does not have.

@@ -286,7 +286,7 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"megatron_lev.train: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    from megatron_lev.training.arguments import summarize_config
+    from megatron_lev.training.run_summary import summarize_config
 
     print(summarize_config(run.config, os.path.join(run.args.save, "config.yaml") if run.args.save else "(no --save)"))
     if run.resume_tag:
