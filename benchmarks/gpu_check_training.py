@@ -117,14 +117,15 @@ def compile_state() -> dict:
 
 def compile_fallbacks(before: dict, caught: list) -> dict:
     """Every compile fallback since `before`: decoder layers run eagerly after torch.compile failed,
-    the fused LEV kernels replaced by the PyTorch path, LEV's CPU mode product not compiled, and
-    the warnings that said why."""
+    the fused LEV kernels replaced by the PyTorch path, LEV's CPU mode product or its prologue not
+    compiled, and the warnings that said why."""
     from megatron_lev.lev import dispatch as lev_dispatch
     from megatron_lev.models import transformer
 
     return {"decoder_layers": list(transformer._compile_failures[before["decoder_layers"]:]),
             "lev_fused_kernels": lev_dispatch.fused_modes_failure,
-            "lev_cpu_mode_product": lev_dispatch._compiled_mode_product is False,
+            "lev_cpu_mode_product": getattr(lev_dispatch._cpu_mode_product, "compiled", None) is False,
+            "lev_prologue": getattr(lev_dispatch._compiled_prologue, "compiled", None) is False,
             "warnings": [str(w.message)[:300] for w in caught if "fail" in str(w.message)]}
 
 

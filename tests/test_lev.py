@@ -272,12 +272,12 @@ def test_cpu_mode_product_compiled_equals_eager_and_falls_back_to_eager(monkeypa
     eager = _modes_and_gradients(lev, x, delta)
     assert (eager[0] < 0).any() and (eager[0] > 0).any()  # sign parity exercised
     monkeypatch.setattr(lev_dispatch, "COMPILE_CPU_MODE_PRODUCT", True)
-    monkeypatch.setattr(lev_dispatch, "_compiled_mode_product", None)
+    monkeypatch.setattr(lev_dispatch, "_cpu_mode_product", None)
     compiled = _modes_and_gradients(lev, x, delta)
-    assert callable(lev_dispatch._compiled_mode_product)  # compiled, not the fallback
+    assert callable(lev_dispatch._cpu_mode_product.compiled)  # compiled, not the fallback
     for got, want in zip(compiled, eager):  # inductor's log and its order of the sum over d_s
         assert_close_at_scale(got, want, atol=1e-5)
-    monkeypatch.setattr(lev_dispatch, "_compiled_mode_product", None)
+    monkeypatch.setattr(lev_dispatch, "_cpu_mode_product", None)
 
     def compile_without_a_compiler(function, **kwargs):
         def run(*args):
@@ -287,7 +287,7 @@ def test_cpu_mode_product_compiled_equals_eager_and_falls_back_to_eager(monkeypa
     monkeypatch.setattr(torch, "compile", compile_without_a_compiler)
     with pytest.warns(UserWarning, match=r"torch.compile of the CPU mode product failed.*no C\+\+ compiler"):
         fallback = _modes_and_gradients(lev, x, delta)
-    assert lev_dispatch._compiled_mode_product is False
+    assert lev_dispatch._cpu_mode_product.compiled is False
     for got, want in zip(fallback, eager):
         assert torch.equal(got, want)
 

@@ -1,5 +1,6 @@
 """Where LEV's mode product runs (generator.py step 5): compiled by torch.compile on CPU, as
-the fused Triton kernels of kernels.py on CUDA, else eager PyTorch. The math is generator.py's;
+the fused Triton kernels of kernels.py on CUDA, else eager PyTorch; and its prologue (step 3:
+W_seed, LayerNorm, sigmoid, the casts) compiled on CUDA. The math is generator.py's;
 this module only picks the implementation, and falls back, with one warning, where one cannot
 compile or launch. generator.py imports it only inside the package: an HF export folder, which
 holds generator.py (as lev.py) and lev_config.py without the package, takes the eager PyTorch path (the same math).
@@ -21,34 +22,65 @@ def exception_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
 
 
+class CompiledOrEager:
+    """`function` compiled by torch.compile on its first call (dynamic shapes: one compilation
+    serves every number of ids), or `function` itself, with one warning, once compilation failed
+    in this process (no C++ compiler, no Triton launcher). `compiled`: None before the first
+    call, False after a failure."""
+
+    def __init__(self, function: Callable, what: str):
+        self.function, self.what, self.compiled = function, what, None
+
+    def __call__(self, *args):
+        if self.compiled is False:
+            return self.function(*args)
+        if self.compiled is None:
+            # emulate_precision_casts: a cast to bfloat16 rounds as eager's does (inductor would
+            # otherwise keep the float32 value through a fused cast), so compiled equals eager.
+            self.compiled = torch.compile(self.function, dynamic=True, options={"emulate_precision_casts": True})
+        try:  # compiles on the first call, and again for a new model's shapes
+            return self.compiled(*args)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: keep training, eagerly
+            warnings.warn(f"LEV: torch.compile of {self.what} failed, using eager PyTorch (slower, same math): "
+                          f"{exception_line(exc)}")
+            self.compiled = False
+            return self.function(*args)
+
+
+# On CUDA the prologue of the modes (generator.seed_coordinates: the W_seed product, LayerNorm, its
+# affine, the sigmoid and the casts; about 10 eager kernels) runs compiled: inductor fuses what
+# follows the matmul into one or two kernels. Devices listed here take it; set () for the eager
+# reference. Untimed on a GPU.
+COMPILED_PROLOGUE_DEVICES = ("cuda",)
+_compiled_prologue: Optional[CompiledOrEager] = None
+
+
+def prologue(seed_coordinates: Callable, device: torch.device) -> Callable:
+    """The implementation of generator.seed_coordinates on `device`: compiled, or itself."""
+    global _compiled_prologue
+    if device.type not in COMPILED_PROLOGUE_DEVICES:
+        return seed_coordinates
+    if _compiled_prologue is None or _compiled_prologue.function is not seed_coordinates:
+        _compiled_prologue = CompiledOrEager(seed_coordinates, "the LEV prologue (W_seed, LayerNorm, sigmoid)")
+    return _compiled_prologue
+
+
 # On CPU `mode_product` runs compiled by torch.compile (inductor: one loop over phi instead
 # of several passes, 6-10x faster at the demo's shapes), falling back to eager once, with a
 # warning, where compilation fails (no C++ compiler). Shapes are dynamic: one compilation
 # serves every number of ids. Set False for the eager reference.
 COMPILE_CPU_MODE_PRODUCT = True
-_compiled_mode_product = None  # the compiled function; False once compilation failed in this process
+_cpu_mode_product: Optional[CompiledOrEager] = None
 
 
 def cpu_mode_product(mode_product: Callable) -> Callable:
     """The CPU implementation of generator.mode_product: compiled, or itself."""
+    global _cpu_mode_product
     if not COMPILE_CPU_MODE_PRODUCT:
         return mode_product
-
-    def compiled(phi: torch.Tensor, eps: float):
-        global _compiled_mode_product
-        if _compiled_mode_product is False:  # compilation failed earlier in this process
-            return mode_product(phi, eps)
-        if _compiled_mode_product is None:
-            _compiled_mode_product = torch.compile(mode_product, dynamic=True)
-        try:  # compiles on the first call, and again for a new model's shapes
-            return _compiled_mode_product(phi, eps)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure: keep training, eagerly
-            warnings.warn(f"LEV: torch.compile of the CPU mode product failed, using eager PyTorch "
-                          f"(slower, same math): {exception_line(exc)}")
-            _compiled_mode_product = False
-            return mode_product(phi, eps)
-
-    return compiled
+    if _cpu_mode_product is None or _cpu_mode_product.function is not mode_product:
+        _cpu_mode_product = CompiledOrEager(mode_product, "the CPU mode product")
+    return _cpu_mode_product
 
 
 # Devices whose tensors take the fused kernels of lev/kernels.py (when Triton imports): on CUDA

@@ -367,14 +367,27 @@ def seed_vectors(config: LEVConfig, codebooks: torch.Tensor, ids: torch.Tensor) 
     return rows.to(torch.float32).sum(1)
 
 
+def seed_coordinates(z: torch.Tensor, w_seed: torch.Tensor, ln_gamma: torch.Tensor, ln_beta: torch.Tensor,
+                     layernorm_eps: float, matmul_dtype: str = "float32") -> torch.Tensor:
+    """Spec step 3: z [n, d_s] -> x = sigmoid(LayerNorm_l(w_seed[l] @ z) / 2) [n, h, d_s] float32,
+    for the h heads of w_seed [h, d_s, d_s]."""
+    h, ds = w_seed.shape[0], w_seed.shape[-1]
+    u = dense_product(z, w_seed.reshape(h * ds, ds).t(), matmul_dtype).view(-1, h, ds)
+    u = F.layer_norm(u, (ds,), eps=layernorm_eps) * ln_gamma.to(torch.float32) + ln_beta.to(torch.float32)
+    return torch.sigmoid(0.5 * u)
+
+
+def _prologue_function(device: torch.device) -> Callable:
+    dispatch = _dispatch()
+    return dispatch.prologue(seed_coordinates, device) if dispatch is not None else seed_coordinates
+
+
 def seed_modes(config: LEVConfig, params: dict[str, torch.Tensor], z: torch.Tensor) -> torch.Tensor:
     """z [n, d_s] -> modes [n, h, r] float32 for the heads `params` holds (W_seed, LN, sigmoid, modes,
     less `mode_offset` when params has it)."""
-    f32, ds = torch.float32, config.seed_dim
-    h = params["w_seed"].shape[0]
-    u = dense_product(z, params["w_seed"].reshape(h * ds, ds).t(), config.matmul_dtype).view(-1, h, ds)
-    u = F.layer_norm(u, (ds,), eps=config.layernorm_eps) * params["ln_gamma"].to(f32) + params["ln_beta"].to(f32)
-    x = torch.sigmoid(0.5 * u)
+    f32 = torch.float32
+    x = _prologue_function(z.device)(z, params["w_seed"], params["ln_gamma"], params["ln_beta"],
+                                     config.layernorm_eps, config.matmul_dtype)
     if config.fused_modes:
         modes = separable_modes(x, params["delta"], config.log_eps)
     else:
