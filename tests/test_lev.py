@@ -260,6 +260,13 @@ def _modes_and_gradients(lev_module, x, delta):
     return modes.detach(), x.grad, delta.grad
 
 
+def compile_without_a_compiler(function, **kwargs):
+    """torch.compile as it fails on a machine without a C++ compiler: at the first call."""
+    def run(*args):
+        raise RuntimeError("InductorError: no C++ compiler found")
+    return run
+
+
 def test_cpu_mode_product_compiled_equals_eager_and_falls_back_to_eager(monkeypatch):
     from megatron_lev.lev import generator as lev
     from megatron_lev.lev import dispatch as lev_dispatch
@@ -278,11 +285,6 @@ def test_cpu_mode_product_compiled_equals_eager_and_falls_back_to_eager(monkeypa
     for got, want in zip(compiled, eager):  # inductor's log and its order of the sum over d_s
         assert_close_at_scale(got, want, atol=1e-5)
     monkeypatch.setattr(lev_dispatch, "_cpu_mode_product", None)
-
-    def compile_without_a_compiler(function, **kwargs):
-        def run(*args):
-            raise RuntimeError("InductorError: no C++ compiler found")
-        return run
 
     monkeypatch.setattr(torch, "compile", compile_without_a_compiler)
     with pytest.warns(UserWarning, match=r"torch.compile of the CPU mode product failed.*no C\+\+ compiler"):

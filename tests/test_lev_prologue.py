@@ -9,7 +9,7 @@ import torch
 
 from megatron_lev.lev import dispatch as lev_dispatch
 from megatron_lev.lev.generator import LEVConfig, LEVGenerator, seed_coordinates
-from tests.test_lev import assert_close_at_scale
+from tests.test_lev import assert_close_at_scale, compile_without_a_compiler
 from tests.test_lev_knobs import EXPERIMENT
 
 
@@ -58,11 +58,6 @@ def test_a_compiler_failure_falls_back_to_eager_once(monkeypatch):
     want = embedding_and_grads(gen, ids)
     monkeypatch.setattr(lev_dispatch, "COMPILED_PROLOGUE_DEVICES", ("cpu",))
     monkeypatch.setattr(lev_dispatch, "_compiled_prologue", None)
-
-    def compile_without_a_compiler(function, **kwargs):
-        def run(*args):
-            raise RuntimeError("InductorError: no C++ compiler found")
-        return run
 
     monkeypatch.setattr(torch, "compile", compile_without_a_compiler)
     with pytest.warns(UserWarning, match=r"torch.compile of the LEV prologue \(W_seed, LayerNorm, sigmoid\) failed"
