@@ -20,9 +20,9 @@ from megatron_lev.models.layers import ColumnLinear, RMSNorm, RowLinear, apply_r
 from megatron_lev.models.settings import ATTENTION_BACKENDS
 
 
-# Megatron-LM's --attention-backend values (ATTENTION_BACKENDS), as torch SDPA's backends in priority order. Megatron's
-# "fused" is Transformer Engine's cuDNN attention; "unfused" and "local" compute softmax(QK^T)V
-# plainly (SDPA's math backend); "flash" is flash attention.
+# Megatron-LM's --attention-backend values (ATTENTION_BACKENDS) as torch SDPA's backends, in
+# priority order. Megatron's "fused" is Transformer Engine's cuDNN attention; "unfused" and
+# "local" compute softmax(QK^T)V plainly (SDPA's math backend); "flash" is flash attention.
 _NAMED_BACKENDS = {"flash": (SDPBackend.FLASH_ATTENTION,), "fused": (SDPBackend.CUDNN_ATTENTION,),
                    "unfused": (SDPBackend.MATH,), "local": (SDPBackend.MATH,)}
 # "auto" on Hopper and later: cuDNN's attention first (reported 1.7-2.3x faster than flash for
@@ -103,6 +103,12 @@ class SelfAttention(torch.nn.Module):
         scale = torch.cat((q_scale.expand(self.heads_per_group, -1), k_scale.unsqueeze(0)))
         return F.rms_norm(qk, (self.head_dim,), None, self.config.layernorm_epsilon) * scale
 
+    def backend_context(self):
+        """SDPA restricted to (and ordered by) this layer's backends, or torch's own choice."""
+        if self.sdpa_backends is None:
+            return contextlib.nullcontext()
+        return sdpa_kernel(list(self.sdpa_backends), set_priority=True)
+
     def core_attention(self, q, k, v):
         """[s, b, n, dh] q and [s, b, g, dh] k/v -> [s, b, n * dh]."""
         s, b = q.shape[:2]
@@ -110,9 +116,7 @@ class SelfAttention(torch.nn.Module):
         p = self.config.attention_dropout if self.training else 0.0
         # Dropout draws from the model-parallel stream: each TP rank holds different heads.
         rng = get_rng_tracker().fork() if p > 0 else contextlib.nullcontext()
-        backends = (sdpa_kernel(list(self.sdpa_backends), set_priority=True) if self.sdpa_backends is not None
-                    else contextlib.nullcontext())
-        with rng, backends:
+        with rng, self.backend_context():
             # GQA inside the kernel (query head i uses kv head i // heads_per_group, our
             # grouping): no repeat_interleave copies of k and v.
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
@@ -218,8 +222,7 @@ def sdpa_backend_used(module: torch.nn.Module, batch: int, seq: int, dtype: torc
     shape = (batch, attention.num_heads, seq, attention.head_dim)
     q = torch.zeros(shape, dtype=dtype, device=device)
     kv = torch.zeros((batch, attention.num_groups, seq, attention.head_dim), dtype=dtype, device=device)
-    backends = attention.sdpa_backends
-    with sdpa_kernel(list(backends), set_priority=True) if backends is not None else contextlib.nullcontext():
+    with attention.backend_context():
         choice = torch._fused_sdp_choice(q, kv, kv, dropout_p=attention.config.attention_dropout, is_causal=True,
                                          enable_gqa=attention.heads_per_group > 1)
     return SDPBackend(choice).name

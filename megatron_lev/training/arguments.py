@@ -17,7 +17,6 @@ import math
 import os
 import sys
 
-
 from megatron_lev.checkpointing.catalog import check_retention
 from megatron_lev.configs import config_path, load_config, model_field_source
 from megatron_lev.models.settings import ATTENTION_BACKENDS, TRAINER_SETTINGS
@@ -41,7 +40,10 @@ TRAINING_DEFAULTS = {
     "min_lr": 0.0,
     "decoupled_lr": None,
     "decoupled_min_lr": None,
-    "lev_lr_mult": 1.0, "lev_clip_grad": None, "lev_no_weight_decay": False, "lev_union_ids": False,
+    "lev_lr_mult": 1.0,
+    "lev_clip_grad": None,
+    "lev_no_weight_decay": False,
+    "lev_union_ids": False,
     "lr_warmup_iters": 0,
     "lr_warmup_samples": 0,
     "lr_warmup_fraction": None,
