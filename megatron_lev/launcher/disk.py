@@ -24,6 +24,7 @@ from typing import Optional
 
 from megatron_lev.checkpointing.catalog import complete_checkpoints
 from megatron_lev.checkpointing.space import estimated_checkpoint_bytes, folder_bytes, format_bytes, free_bytes
+from megatron_lev.models.shape import count_parameters, model_shape
 
 KEEP_CHECKPOINTS_DEFAULT = 3
 
@@ -126,16 +127,13 @@ def measured_times(checkpoint_dir: str, newest: Optional[str]) -> tuple[Optional
 def plan_checkpoint_disk(args, *, keep: int, checkpoint_dir: str, bf16: bool,
                          keep_every: Optional[int] = None) -> CheckpointDisk:
     """The disk of the run whose trainer arguments are `args` (validate_flags's). The parameter count
-    is the model code's own (it imports torch: a few seconds, once per submit)."""
+    is models/shape.py's analytic one, without torch (a login node may lack it; importing torch and
+    megatron-core cost 4-5 s of every submit); tests/test_cluster_plan.py holds it equal to the
+    model code's on every packaged config."""
     parameters, unknown = None, ""
     try:
-        from megatron_lev.models.config import model_config_from_dict
-        from megatron_lev.models.param_count import count_parameters
-
-        parameters = count_parameters(model_config_from_dict(
+        parameters = count_parameters(model_shape(
             args.model, tensor_model_parallel_size=args.tensor_model_parallel_size))["total"]
-    except ImportError as exc:
-        unknown = f"the model code cannot be imported here: {exc}"
     except (TypeError, ValueError) as exc:
         unknown = f"the config's model cannot be counted: {exc}"
     per_parameter = estimated_checkpoint_bytes(1, bf16)
