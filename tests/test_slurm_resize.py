@@ -1,8 +1,8 @@
 """Resume at another layout without a timeout (issue 43 item 1), through the srun/scontrol shims
 (tests/slurm_shims/): a DP=1 job checkpoints at iteration 6; the same CHECKPOINT_DIR submitted on 2
-nodes (DP=2) is converted to DeepSpeed's universal form by a step of the job before the trainers
-start, slowed past `--distributed-timeout-minutes 1` by a test-only hook (tests/conversion_hook/),
-and the run continues with the uninterrupted run's learning rates and losses. A conversion killed
+nodes (DP=2) is converted to DeepSpeed's universal form by a step of the job that ends before any
+trainer process starts (a test-only hook, tests/conversion_hook/, slows it and records when each
+process started), so no collective can wait on it whatever its length, and the run continues with the uninterrupted run's learning rates and losses. A conversion killed
 half-way leaves nothing the trainers would load, and the next one starts clean and gives the same
 files."""
 from __future__ import annotations
@@ -22,7 +22,9 @@ from tests.test_slurm_jobs import BatchJob, _free_port_below, _training_records
 
 HOOK = Path(__file__).resolve().parent / "conversion_hook"
 TRAIN_ITERS, STOP_AT = 12, 6
-SLOW_SECONDS = 75  # the conversion's extra time: longer than --distributed-timeout-minutes 1
+# The conversion's extra time: trainers started beside it (not after it) would start inside it. The
+# test proves the order rather than outlasting --distributed-timeout-minutes 1 (a 75 s sleep before).
+SLOW_SECONDS = 4
 
 
 def _job_env(tmp_path, name, ckpt, nodes, tiny_dataset, spm_tokenizer, **extra):
@@ -56,24 +58,31 @@ def resized(tmp_path_factory, tiny_dataset, spm_tokenizer):
     # On 2 nodes: DP 1 -> 2. The hook slows the conversion in every process (the trainers too, were
     # they to convert).
     env = _job_env(tmp_path, "dp2", ckpt, 2, tiny_dataset, spm_tokenizer, PYTHONPATH=HOOK,
-                   MEGATRON_LEV_TEST_SLOW_CONVERSION=SLOW_SECONDS)
+                   MEGATRON_LEV_TEST_SLOW_CONVERSION=SLOW_SECONDS,
+                   MEGATRON_LEV_TEST_PROCESS_LOG=tmp_path / "dp2_processes.log")
     result["rc"], job = _run(env, tmp_path / "dp2.out")
     result["out"], result["logs"] = (tmp_path / "dp2.out").read_text(), job.logs()
     result["node_logs"] = "".join(p.read_text() for p in sorted((tmp_path / "logs").glob("dp2-*/restart0-node*.log")))
     result["records"] = _training_records(ckpt / "metrics.jsonl")
+    result["processes"] = (tmp_path / "dp2_processes.log").read_text().splitlines()
     rc, job = _run(_job_env(tmp_path, "ref", tmp_path / "ref", 1, tiny_dataset, spm_tokenizer), tmp_path / "ref.out")
     assert rc == 0, job.logs()
     result["reference"] = _training_records(tmp_path / "ref" / "metrics.jsonl")
     return result
 
 
-def test_a_conversion_longer_than_the_collective_timeout_resumes_at_another_dp_size(resized):
-    """The conversion sleeps 75 s more than it takes, with --distributed-timeout-minutes 1: it runs as
-    a step before the trainers (whose ranks would otherwise wait for rank 0 in a collective, time out,
-    and be requeued to start over), and the DP=2 run continues from iteration 6 with the uninterrupted
-    DP=1 run's samples and learning rates, and its losses within fp32 summation order (1e-5)."""
+def test_the_conversion_ends_before_any_trainer_starts_and_the_run_resumes_at_another_dp_size(resized):
+    """The conversion (slowed by SLOW_SECONDS) runs as a step of the job that returns before the first
+    trainer process (torchrun or its workers) starts, so no rank waits for it in a collective (one
+    that outlasts --distributed-timeout-minutes ends the job, and a requeue starts it over); the DP=2
+    run continues from iteration 6 with the uninterrupted DP=1 run's samples and learning rates, and
+    its losses within fp32 summation order (1e-5)."""
     out = resized["out"]
     assert resized["rc"] == 0, resized["logs"]
+    done = [float(line.split()[0]) for line in resized["processes"] if line.endswith(" conversion done")]
+    trainers = [float(line.split()[0]) for line in resized["processes"] if "megatron_lev.train " in line]
+    assert len(done) == 1 and len(trainers) >= 4, resized["processes"]  # 2 nodes: torchrun + a worker each
+    assert min(trainers) > done[0], resized["processes"]
     ckpt = resized["ckpt"]
     assert ("resume: checkpoint iter_0000006 was saved under another layout (data_parallel_size: 1 -> 2); the job "
             "converts it before the trainers start: python -m megatron_lev.checkpointing.universal --load "

@@ -6,6 +6,11 @@ or to interrupt it half-way. Nothing in the package knows of it.
     MEGATRON_LEV_TEST_SLOW_PHASE=start|merge    ... before ds_to_universal.main starts (default), or
                                                 after its extraction, before the merge (half-way)
 
+    MEGATRON_LEV_TEST_PROCESS_LOG=PATH          append "<time> <pid> start <command line>" for every
+                                                Python process, and "<time> <pid> conversion done"
+                                                when a conversion returns, so a test can tell the
+                                                trainers started after the conversion ended
+
 It prints one line when it starts sleeping, so a test knows the conversion has got that far.
 """
 import importlib.abc
@@ -17,11 +22,22 @@ import time
 _MODULE = "deepspeed.checkpoint.ds_to_universal"
 
 
+_PROCESS_LOG = os.environ.get("MEGATRON_LEV_TEST_PROCESS_LOG")
+
+
+def _record(event: str) -> None:
+    if _PROCESS_LOG:
+        with open(_PROCESS_LOG, "a") as f:  # one short append per line: lines of processes do not mix
+            f.write(f"{time.time():.6f} {os.getpid()} {event}\n")
+
+
 def _slowed(function, phase: str, seconds: float):
     def slow(*args, **kwargs):
         print(f"test hook: the conversion sleeps {seconds:.0f} s ({phase})", flush=True)
         time.sleep(seconds)
-        return function(*args, **kwargs)
+        result = function(*args, **kwargs)
+        _record("conversion done")
+        return result
 
     return slow
 
@@ -50,5 +66,8 @@ class _SlowConversion(importlib.abc.MetaPathFinder):
         return spec
 
 
+if _PROCESS_LOG:
+    with open("/proc/self/cmdline", "rb") as cmdline:  # sys.argv is not set yet when site runs
+        _record("start " + " ".join(part.decode(errors="replace") for part in cmdline.read().split(b"\0") if part))
 if os.environ.get("MEGATRON_LEV_TEST_SLOW_CONVERSION"):
     sys.meta_path.insert(0, _SlowConversion())
