@@ -9,7 +9,7 @@ Whatever it returns (tensors included) comes back as a list indexed by rank. An
 exception in any rank fails the caller with that rank's traceback.
 
 Why a forkserver: a spawned rank imports torch and megatron-core afresh, 4-5 s of every
-launch on these 2 cores (the suite launches about a hundred); the forkserver imports them
+launch on these 2 cores (35 call sites in 26 test files, some in loops); the forkserver imports them
 once, single-threaded, and forks each rank from there. Each rank then takes the caller's
 environment as it is at the launch (the server's is the one it started with), so a
 test's environment reaches its ranks as under spawn.
