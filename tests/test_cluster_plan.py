@@ -192,7 +192,7 @@ def test_the_planner_runs_where_import_torch_fails():
 
 def test_shapes_agree_with_the_model_configs():
     """models/shape.py's torch-free sizes equal LeviathanConfig's on every packaged config:
-    parameter counts (LEV's generator included) and the FLOPs model's inputs."""
+    parameter counts (LEV's generator included), the FLOPs model's inputs and the LEVConfig."""
     from megatron_lev.configs import available_configs, load_config
     from megatron_lev.models.config import model_config_from_dict
     from megatron_lev.models.param_count import count_parameters
@@ -212,5 +212,22 @@ def test_shapes_agree_with_the_model_configs():
             shape = model_shape(section, tensor_model_parallel_size=tp)
             assert shape_count(shape) == count_parameters(config), (name, tp)
             assert flops_model(shape, 512) == flops_model(config, 512), (name, tp)
+            if config.embedding == "lev":  # one LEVConfig, built the same way by both
+                assert shape.lev_config() == config.lev_config(), (name, tp)
     lev = model_shape(load_config("lev-1.2b-200k")["model"]).lev_config()
     assert (lev.base, lev.num_parameters()) == (59, 2_252_928)  # LEV_SPEC.md section 6
+
+
+def test_the_torch_free_shape_refuses_a_bad_lev_field_in_one_line():
+    """ModelShape builds LeviathanConfig's LEVConfig, so a planner or the launcher's disk check
+    meets the same one-line error as the trainer, not a count of an impossible generator."""
+    from megatron_lev.configs import load_config
+    from megatron_lev.models.shape import count_parameters, model_shape
+
+    section = load_config("lev-1.2b-200k")["model"]
+    for lev, message in (({"num_knots": 1}, "lev: LEVConfig.num_knots=1 must be an integer >= 2"),
+                         ({"hidden_size": 64}, "lev.hidden_size: set the model's hidden_size, not the generator's"),
+                         ({"num_kntos": 16}, "lev: LEVConfig: unknown field(s) ['num_kntos']")):
+        with pytest.raises(ValueError) as raised:
+            count_parameters(model_shape({**section, "lev": {**section["lev"], **lev}}))
+        assert str(raised.value).startswith(message), str(raised.value)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from megatron_lev.lev.generator import LEVConfig, LEVGenerator, calibration_ids, init_lev_parameters, seed_vectors
 from megatron_lev.lev.parallel import ParallelLEVEmbedding
 from tests.distributed import run_distributed
+from tests.lev_exports import assert_exports_give_our_logits
 from tests.test_lev import TP_CFG, assert_close_at_scale, forward_backward, tp_inputs
 from tests.test_model import single_rank  # noqa: F401  (module-scoped fixture: one in-process rank)
 
@@ -124,33 +125,9 @@ def test_bad_knob_values_name_the_field(field, value, match):
 def test_knobbed_generator_exports_to_hugging_face_with_equal_logits(single_rank, spm_tokenizer, tmp_path):  # noqa: F811
     """A model with output_norm and the knot-coverage gain: its checkpoint names, the remote-code
     export and the materialized (plain LLaMA) export give our logits."""
-    from transformers import AutoModelForCausalLM
+    def trained_looking_gain(generator):  # not the constant init
+        generator.out_norm_weight.uniform_(0.01, 0.1, generator=torch.Generator().manual_seed(0))
 
-    from megatron_lev.checkpointing.layout import expected_parameter_names, is_extra_state
-    from megatron_lev.configs import load_config
-    from megatron_lev.data.tokenizer import build_tokenizer
-    from megatron_lev.hf.export import save_hf_model
-    from megatron_lev.models.config import model_config_from_dict
-    from megatron_lev.models.decoder import LeviathanModel, gather_logits
-
-    section = load_config("tiny-lev")["model"]
-    section["lev"] = {**section["lev"], "output_norm": True, "output_norm_init": 0.05, "ln_gain_init": 3.63}
-    cfg = model_config_from_dict(section)
-    model = LeviathanModel(cfg).eval()
-    with torch.no_grad():  # a trained-looking gain, not the constant init
-        model.embedding.generator.out_norm_weight.uniform_(0.01, 0.1, generator=torch.Generator().manual_seed(0))
-    full = {k: v for k, v in model.state_dict().items() if not is_extra_state(k)}
-    assert sorted(full) == sorted(expected_parameter_names(cfg))
-    full["output_layer.weight"] = full["output_layer.weight"][:1000]  # as a merged checkpoint holds it: unpadded
-    tokens = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ours = gather_logits(model(tokens), 1000)
-    tokenizer = build_tokenizer("SentencePieceTokenizer", spm_tokenizer)
-    for materialize in (False, True):
-        folder = save_hf_model(full, cfg, str(tmp_path / f"hf{int(materialize)}"), tokenizer, materialize=materialize)
-        hf = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=not materialize).eval()
-        assert type(hf).__name__ == ("LlamaForCausalLM" if materialize else "LevForCausalLM")
-        with torch.no_grad():
-            theirs = hf(tokens).logits
-        assert theirs.shape == ours.shape == (2, 12, 1000)
-        torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+    full = assert_exports_give_our_logits({"output_norm": True, "output_norm_init": 0.05, "ln_gain_init": 3.63},
+                                          spm_tokenizer, tmp_path, trained_looking_gain)
+    assert "embedding.generator.out_norm_weight" in full

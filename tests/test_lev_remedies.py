@@ -12,6 +12,7 @@ from megatron_lev.lev.generator import (LEVConfig, LEVGenerator, calibration_ids
                                         seed_vectors)
 from megatron_lev.lev.parallel import ParallelLEVEmbedding
 from tests.distributed import run_distributed
+from tests.lev_exports import assert_exports_give_our_logits
 from tests.test_lev import TP_CFG, assert_close_at_scale, forward_backward, tp_inputs
 from tests.test_lev_knobs import EXPERIMENT
 from tests.test_model import single_rank  # noqa: F401  (module-scoped fixture: one in-process rank)
@@ -169,34 +170,8 @@ def test_tensor_parallel_equals_one_rank():
 def test_the_remedies_export_to_hugging_face_with_equal_logits(options, single_rank, spm_tokenizer, tmp_path):  # noqa: F811
     """The offset's init (and the init options', which also evaluate the generator) runs on CPU
     when transformers builds the model under torch.device("meta"): both failed there before."""
-    from transformers import AutoModelForCausalLM
-
-    from megatron_lev.checkpointing.layout import expected_parameter_names, is_extra_state
-    from megatron_lev.configs import load_config
-    from megatron_lev.data.tokenizer import build_tokenizer
-    from megatron_lev.hf.export import save_hf_model
-    from megatron_lev.models.config import model_config_from_dict
-    from megatron_lev.models.decoder import LeviathanModel, gather_logits
-
-    section = load_config("tiny-lev")["model"]
-    section["lev"] = {**section["lev"], **options}
-    cfg = model_config_from_dict(section)
-    model = LeviathanModel(cfg).eval()
-    _trained_looking(model.embedding.generator)
-    full = {k: v for k, v in model.state_dict().items() if not is_extra_state(k)}
-    assert sorted(full) == sorted(expected_parameter_names(cfg))
-    assert ("embedding.generator.mode_offset" in full) == cfg.lev_config().center_modes
-    full["output_layer.weight"] = full["output_layer.weight"][:1000]
-    tokens = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ours = gather_logits(model(tokens), 1000)
-    tokenizer = build_tokenizer("SentencePieceTokenizer", spm_tokenizer)
-    for materialize in (False, True):
-        folder = save_hf_model(full, cfg, str(tmp_path / f"hf{int(materialize)}"), tokenizer, materialize=materialize)
-        hf = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=not materialize).eval()
-        with torch.no_grad():
-            theirs = hf(tokens).logits
-        torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+    full = assert_exports_give_our_logits(options, spm_tokenizer, tmp_path, _trained_looking)
+    assert ("embedding.generator.mode_offset" in full) == options.get("center_modes", False)
 
 
 def _train(rank, world_size, runs):

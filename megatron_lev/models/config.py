@@ -13,6 +13,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_lev.lev.generator import LEVConfig
 from megatron_lev.models.settings import EMBEDDING_KINDS
 from megatron_lev.models.shape import MODEL_FIELDS, llama_ffn_hidden_size, pad_vocab_size  # noqa: F401 (re-exported)
+from megatron_lev.models.shape import lev_config_from_section
 
 
 @dataclass
@@ -135,14 +136,7 @@ class LeviathanConfig(TransformerConfig):
 
     def lev_config(self) -> LEVConfig:
         """The generator's config: the `lev:` fields plus the model's vocab and width."""
-        for key in ("vocab_size", "hidden_size"):
-            if key in self.lev:
-                raise ValueError(f"lev.{key}: set the model's {key}, not the generator's")
-        try:
-            return LEVConfig.from_dict({**self.lev, "vocab_size": self.vocab_size,
-                                        "hidden_size": self.hidden_size})
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"lev: {exc}") from None
+        return lev_config_from_section(self.lev, self.vocab_size, self.hidden_size)
 
     def to_dict(self) -> dict:
         """The YAML `model:` section this config was built from (resolved)."""

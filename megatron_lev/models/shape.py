@@ -3,11 +3,15 @@
 section that `count_parameters` and `training/flops.py` `flops_model` read, for the tools that
 plan runs on a machine without torch (experiments/cluster_plan.py). `LeviathanConfig`
 (config.py) is the model's own config and validates; `ModelShape` only measures: it holds the
-same derived sizes (tests/test_cluster_plan.py checks both agree on every packaged config)."""
+same derived sizes (tests/test_cluster_plan.py checks both agree on every packaged config), and
+the generator's are LEVConfig's own (lev/lev_config.py, torch-free), built by both from the
+`lev:` section in `lev_config_from_section`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
+
+from megatron_lev.lev.lev_config import LEVConfig
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
@@ -28,51 +32,6 @@ MODEL_FIELDS = (
     "seq_length", "rotary_base", "rotary_percent", "rope_scaling", "rope_scaling_factor", "qk_layernorm",
     "layernorm_epsilon", "init_method_std", "hidden_dropout", "attention_dropout", "init_seed", "lev", "lev_init_from",
 )
-# The LEV generator's fields that change its size, with lev/generator.py LEVConfig's defaults
-# (that module needs torch; tests/test_cluster_plan.py checks the two counts agree).
-LEV_SIZE_DEFAULTS = {"num_coordinates": 3, "seed_dim": 128, "num_heads": 8, "num_knots": 16, "num_modes": 64,
-                     "digit_base": None, "output_norm": False, "knot_scale_learnable": False, "center_modes": False}
-
-
-def smallest_base(vocab_size: int, num_coordinates: int) -> int:
-    """The smallest integer b with b**k >= V (as lev/generator.py's, in exact integers)."""
-    b = max(1, int(round(vocab_size ** (1.0 / num_coordinates))))
-    while b ** num_coordinates < vocab_size:
-        b += 1
-    while b > 1 and (b - 1) ** num_coordinates >= vocab_size:
-        b -= 1
-    return b
-
-
-@dataclass
-class LevShape:
-    """The generator's sizes (LEVConfig's names)."""
-
-    vocab_size: int
-    hidden_size: int
-    num_coordinates: int
-    seed_dim: int
-    num_heads: int
-    num_knots: int
-    num_modes: int
-    digit_base: Optional[int]
-    output_norm: bool
-    knot_scale_learnable: bool
-    center_modes: bool
-
-    @property
-    def base(self) -> int:
-        return self.digit_base if self.digit_base is not None else smallest_base(self.vocab_size, self.num_coordinates)
-
-    def num_parameters(self) -> int:
-        """LEVConfig.num_parameters: k*b*d_s + h*(d_s^2 + 2*d_s) + h*d_s*kappa*r + h*r*D (+ D with
-        `output_norm`, + h*d_s with `knot_scale_learnable`, + h*r with `center_modes`)."""
-        k, b, ds, h = self.num_coordinates, self.base, self.seed_dim, self.num_heads
-        kappa, r, d = self.num_knots, self.num_modes, self.hidden_size
-        return (k * b * ds + h * (ds * ds + 2 * ds) + h * ds * kappa * r + h * r * d + d * self.output_norm
-                + h * ds * self.knot_scale_learnable + h * r * self.center_modes)
-
-
 @dataclass
 class ModelShape:
     """A `model:` section's sizes, derived as LeviathanConfig derives them (TP-aware padding)."""
@@ -101,18 +60,20 @@ class ModelShape:
         self.padded_vocab_size = pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by,
                                                 self.tensor_model_parallel_size)
 
-    def lev_config(self) -> LevShape:
-        unknown = sorted(set(self.lev) - set(LEV_SIZE_DEFAULTS) - LEV_OTHER_FIELDS)
-        if unknown:
-            raise ValueError(f"lev.{unknown[0]}: unknown LEV field")
-        sizes = {k: self.lev.get(k, v) for k, v in LEV_SIZE_DEFAULTS.items()}
-        return LevShape(vocab_size=self.vocab_size, hidden_size=self.hidden_size, **sizes)
+    def lev_config(self) -> LEVConfig:
+        return lev_config_from_section(self.lev, self.vocab_size, self.hidden_size)
 
 
-# LEVConfig's fields that do not change its size.
-LEV_OTHER_FIELDS = {"init_std", "delta_init_std", "layernorm_eps", "log_eps", "digit_order", "unique_ids",
-                    "init_embedding_rms", "init_remove_shared", "ln_gain_init", "output_norm_init",
-                    "basis_normalize", "mode_product", "mode_groups", "matmul_dtype"}
+def lev_config_from_section(lev: dict, vocab_size: int, hidden_size: int) -> LEVConfig:
+    """The generator's config: a `model.lev` section plus the model's vocabulary and width
+    (LeviathanConfig and ModelShape both build it here; lev/lev_config.py needs no torch)."""
+    for key in ("vocab_size", "hidden_size"):
+        if key in lev:
+            raise ValueError(f"lev.{key}: set the model's {key}, not the generator's")
+    try:
+        return LEVConfig.from_dict({**lev, "vocab_size": vocab_size, "hidden_size": hidden_size})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"lev: {exc}") from None
 SHAPE_FIELDS = {"embedding", "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
                 "num_query_groups", "kv_channels", "ffn_hidden_size", "make_vocab_size_divisible_by",
                 "embedding_rank", "freeze_input_embedding", "qk_layernorm", "lev"}
