@@ -10,7 +10,7 @@ uninterrupted run; `scancel` then stops it with `latest` intact; preprocessing r
 array; a dry run prints what it prints through the shims, and a bad EXTRA_ARGS is refused in the
 same line.
 
-Every kill and signal lands at a known iteration: the test-only hook tests/trainer_hold_hook holds
+Every kill and signal lands at a known iteration: the test-only hook tests/process_hooks holds
 the trainers after that iteration until the test has acted (a signal also releases them), so no
 test races the run, however fast the machine trains."""
 from __future__ import annotations
@@ -33,7 +33,7 @@ from tests.test_slurm_jobs import _run_config, _training_records
 TRAIN_ITERS = 60  # the schedule of both runs; the interrupted one is stopped long before
 SAVE_INTERVAL = 5
 SBATCH = "slurm/train_lev_1b.sh"
-HOLD_HOOK = Path(__file__).resolve().parent / "trainer_hold_hook"
+HOLD_HOOK = Path(__file__).resolve().parent / "process_hooks"
 
 
 def _read(path: Path) -> str:
@@ -92,7 +92,7 @@ def cpu_smoke_env(slurm_cluster, tmp_path_factory, tiny_dataset, spm_tokenizer):
 
 def _submit_training(cluster, tmp_path_factory, name: str, holds: tuple[int, ...] = (), **variables) -> Job:
     """Submit a training job. `holds`: iterations after whose log line its trainers wait (the
-    test-only hook tests/trainer_hold_hook) until the test releases them or a signal reaches them:
+    test-only hook tests/process_hooks) until the test releases them or a signal reaches them:
     the test acts at a known iteration however fast the machine trains."""
     folder = tmp_path_factory.mktemp(name)
     hold_dir = folder / "holds"

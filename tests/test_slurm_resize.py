@@ -1,7 +1,7 @@
 """Resume at another layout without a timeout (issue 43 item 1), through the srun/scontrol shims
 (tests/slurm_shims/): a DP=1 job checkpoints at iteration 6; the same CHECKPOINT_DIR submitted on 2
 nodes (DP=2) is converted to DeepSpeed's universal form by a step of the job that ends before any
-trainer process starts (a test-only hook, tests/conversion_hook/, slows it and records when each
+trainer process starts (a test-only hook, tests/process_hooks/, slows it and records when each
 process started), so no collective can wait on it whatever its length, and the run continues with the uninterrupted run's learning rates and losses. A conversion killed
 half-way leaves nothing the trainers would load, and the next one starts clean and gives the same
 files."""
@@ -20,7 +20,7 @@ import pytest
 from tests.test_slurm import REPO, script_env
 from tests.test_slurm_jobs import BatchJob, _free_port_below, _training_records
 
-HOOK = Path(__file__).resolve().parent / "conversion_hook"
+HOOK = Path(__file__).resolve().parent / "process_hooks"
 TRAIN_ITERS, STOP_AT = 12, 6
 # The conversion's extra time: trainers started beside it (not after it) would start inside it. The
 # test proves the order rather than outlasting --distributed-timeout-minutes 1 (a 75 s sleep before).
