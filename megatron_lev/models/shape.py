@@ -3,9 +3,9 @@
 section that `count_parameters` and `training/flops.py` `flops_model` read, for the tools that
 plan runs on a machine without torch (experiments/cluster_plan.py). `LeviathanConfig`
 (config.py) is the model's own config and validates; `ModelShape` only measures: it holds the
-same derived sizes (tests/test_cluster_plan.py checks both agree on every packaged config), and
-the generator's are LEVConfig's own (lev/lev_config.py, torch-free), built by both from the
-`lev:` section in `lev_config_from_section`."""
+same derived sizes (tests/test_cluster_plan.py checks both agree on every packaged config). The
+generator's sizes are LEVConfig's own (lev/lev_config.py, torch-free), built by both from the
+`lev:` section in `lev_config_from_section`, so that section is validated here as in training."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -74,6 +74,8 @@ def lev_config_from_section(lev: dict, vocab_size: int, hidden_size: int) -> LEV
         return LEVConfig.from_dict({**lev, "vocab_size": vocab_size, "hidden_size": hidden_size})
     except (TypeError, ValueError) as exc:
         raise ValueError(f"lev: {exc}") from None
+
+
 SHAPE_FIELDS = {"embedding", "vocab_size", "num_layers", "hidden_size", "num_attention_heads", "seq_length",
                 "num_query_groups", "kv_channels", "ffn_hidden_size", "make_vocab_size_divisible_by",
                 "embedding_rank", "freeze_input_embedding", "qk_layernorm", "lev"}
